@@ -1,0 +1,38 @@
+# ssl-vit: `make quickstart` (prepare Fashion-MNIST, pretrain a small ViT with MPP, export, evaluate)
+# and `make test`. Both create .venv on first use.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+FMNIST  ?= /usr/share/datasets/fashion-mnist
+SHARDS  ?= shards/fashion-mnist
+RUN     ?= runs/quickstart
+
+.PHONY: setup quickstart test lint bench fashion-mnist
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+# Debian's dataset-fashion-mnist package holds the IDX files. Where apt is not available,
+# download the four *-ubyte.gz files of Fashion-MNIST yourself and run: make quickstart FMNIST=DIR
+$(FMNIST)/train-images-idx3-ubyte.gz:
+	@command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] || { \
+	  echo "error: $(FMNIST) has no Fashion-MNIST; install Debian's dataset-fashion-mnist or set FMNIST=DIR holding the IDX .gz files" >&2; exit 1; }
+	apt-get install -y -qq dataset-fashion-mnist >/dev/null || { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; }
+
+fashion-mnist: $(FMNIST)/train-images-idx3-ubyte.gz
+
+$(SHARDS)/manifest.json: | setup fashion-mnist
+	$(BIN)/python data_prep/make_shards.py $(FMNIST) $(SHARDS) --workers 2
+	$(BIN)/python data_prep/verify_shards.py $(SHARDS)
+
+quickstart: setup fashion-mnist $(SHARDS)/manifest.json
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .

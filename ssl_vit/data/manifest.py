@@ -1,0 +1,193 @@
+"""The shard-set contract: `manifest.json` beside `{split}-{index:06d}.tar` shards.
+
+A shard set is a folder written by `data_prep/make_shards.py` and read by every later stage:
+
+    OUT/
+      train-000000.tar ...   # WebDataset shards: {key}.png|jpg|webp, {key}.cls, {key}.json
+      test-000000.tar ...
+      manifest.json          # this module's schema (below)
+      errors.jsonl           # one JSON object per skipped input: {"source": ..., "reason": ...}
+
+manifest.json (format_version 1):
+
+    {
+      "format": "ssl-vit-shards",
+      "format_version": 1,
+      "splits": {
+        "train": {"num_samples": 60000,
+                  "shards": [{"name": "train-000000.tar", "num_samples": 5000,
+                              "bytes": 12345678, "sha256": "..."}, ...]},
+        "test": {...}
+      },
+      "class_names": ["T-shirt/top", ...],   # null for an unlabelled set
+      "channels": 1,                         # 1 (grayscale) or 3 (RGB)
+      "image_size": [28, 28],                # [H, W] when every image has it, else null
+      "mean": [0.286], "std": [0.353],       # per channel, pixel values in [0, 1]
+      "stats_split": "train",                # the split mean/std were computed on
+      "num_skipped": 0,                      # lines in errors.jsonl
+      "created_by": {"tool": "...", "version": "...", "source": "...", "options": {...}}
+    }
+
+This module depends only on the standard library so data_prep runs without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "ssl-vit-shards"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+ERRORS_NAME = "errors.jsonl"
+
+
+class ManifestError(ValueError):
+    """A shard set that is missing, malformed or inconsistent; the message says which file."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    num_samples: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    num_samples: int
+    shards: list[ShardInfo]
+
+
+@dataclass
+class Manifest:
+    splits: dict[str, SplitInfo]
+    class_names: list[str] | None
+    channels: int
+    image_size: list[int] | None
+    mean: list[float]
+    std: list[float]
+    stats_split: str | None = None
+    num_skipped: int = 0
+    created_by: dict[str, Any] = field(default_factory=dict)
+    root: Path | None = field(default=None, compare=False)
+
+    @property
+    def num_classes(self) -> int | None:
+        return None if self.class_names is None else len(self.class_names)
+
+    def split(self, name: str) -> SplitInfo:
+        if name not in self.splits:
+            where = self.root / MANIFEST_NAME if self.root else MANIFEST_NAME
+            raise ManifestError(
+                f"{where}: no split {name!r}; it has {sorted(self.splits)}. "
+                "Choose one of those or re-run data_prep/make_shards.py with that split."
+            )
+        return self.splits[name]
+
+    def shard_paths(self, split: str) -> list[Path]:
+        """Absolute paths of a split's shards, in manifest order."""
+        root = self.root or Path(".")
+        return [root / s.name for s in self.split(split).shards]
+
+    def to_json(self) -> dict[str, Any]:
+        body = asdict(self)
+        body.pop("root")
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **body}
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write to a temporary sibling, fsync, then rename: readers see the old or the new file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(root: str | os.PathLike, manifest: Manifest) -> Path:
+    path = Path(root) / MANIFEST_NAME
+    atomic_write_text(path, json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def _require(obj: dict, key: str, kind: type | tuple, where: Path) -> Any:
+    if key not in obj:
+        raise ManifestError(f"{where}: missing key {key!r}; re-create it with data_prep/make_shards.py")
+    if not isinstance(obj[key], kind):
+        raise ManifestError(f"{where}: key {key!r} has the wrong type ({type(obj[key]).__name__})")
+    return obj[key]
+
+
+def load_manifest(root: str | os.PathLike) -> Manifest:
+    """Read and validate `root/manifest.json` (root may also be the manifest file itself)."""
+    root = Path(root)
+    if root.name == MANIFEST_NAME:
+        root = root.parent
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(
+            f"{path}: not found; point at a shard set made by data_prep/make_shards.py"
+        )
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: not valid JSON ({e}); re-create the shard set") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ManifestError(f"{path}: not an ssl-vit shard manifest (format != {FORMAT!r})")
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(
+            f"{path}: format_version {raw.get('format_version')!r} is not supported "
+            f"(this ssl-vit reads {FORMAT_VERSION}); re-create the shard set"
+        )
+    splits: dict[str, SplitInfo] = {}
+    for name, s in _require(raw, "splits", dict, path).items():
+        shards = [ShardInfo(**sh) for sh in _require(s, "shards", list, path)]
+        n = _require(s, "num_samples", int, path)
+        if n != sum(sh.num_samples for sh in shards):
+            raise ManifestError(f"{path}: split {name!r} num_samples disagrees with its shards")
+        splits[name] = SplitInfo(num_samples=n, shards=shards)
+    channels = _require(raw, "channels", int, path)
+    mean = _require(raw, "mean", list, path)
+    std = _require(raw, "std", list, path)
+    if len(mean) != channels or len(std) != channels:
+        raise ManifestError(f"{path}: mean/std must have one entry per channel ({channels})")
+    return Manifest(
+        splits=splits,
+        class_names=raw.get("class_names"),
+        channels=channels,
+        image_size=raw.get("image_size"),
+        mean=[float(m) for m in mean],
+        std=[float(s) for s in std],
+        stats_split=raw.get("stats_split"),
+        num_skipped=int(raw.get("num_skipped", 0)),
+        created_by=raw.get("created_by", {}),
+        root=root.resolve(),
+    )
+
+
+def check_shards_exist(manifest: Manifest, split: str) -> list[Path]:
+    """Return the split's shard paths, or raise naming the first missing one."""
+    paths = manifest.shard_paths(split)
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        raise ManifestError(
+            f"{missing[0]}: listed in the manifest but missing ({len(missing)} of {len(paths)} "
+            f"{split} shards missing); restore them or re-run data_prep/make_shards.py"
+        )
+    return paths
