@@ -1,0 +1,12 @@
+"""Masked patch prediction pretraining (ViT paper, sec. 4.6 and appendix B.1.2).
+
+    python pipelines/mpp_pretrain.py --config configs/fmnist_vit_tiny_mpp.yaml
+    deepspeed --num_gpus 8 pipelines/mpp_pretrain.py --config configs/vit_b16_imagenet_mpp.yaml
+"""
+
+import sys
+
+from ssl_vit.engine.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main("mpp", __doc__.splitlines()[0]))

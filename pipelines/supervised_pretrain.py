@@ -1,0 +1,12 @@
+"""Supervised pretraining on labels (sec. 4.1), or joint: loss = a * MPP + b * supervised.
+
+    python pipelines/supervised_pretrain.py --config configs/fmnist_vit_tiny_supervised.yaml
+    python pipelines/supervised_pretrain.py --config ... objective.kind=joint
+"""
+
+import sys
+
+from ssl_vit.engine.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main("supervised", __doc__.splitlines()[0]))

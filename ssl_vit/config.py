@@ -1,0 +1,272 @@
+"""Training configuration: a typed schema, YAML presets, `key=value` overrides, validation.
+
+    cfg = load_config("configs/fmnist_vit_tiny_mpp.yaml", ["train.steps=200", "optim.lr=1e-3"])
+
+Every preset in configs/ starts with the command that runs it. Unknown keys, wrong types and
+inconsistent values are rejected with a one-line `ConfigError` that names the key, before any
+training starts. The fully resolved config is written to the run directory as config.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and what to do."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"  # run directory: config, checkpoints/, export/, logs; resumes itself
+    seed: int = 0
+    checkpoint_every: int = 500  # steps between checkpoints (one is always written at the end)
+    keep_checkpoints: int = 2  # the last K complete checkpoints are kept
+    log_every: int = 20  # steps between metric lines / MLflow points
+    max_nonfinite_steps: int = 5  # stop after this many non-finite losses in a row
+
+
+@dataclass
+class DataConfig:
+    root: str = "shards/fashion-mnist"  # shard set made by data_prep/make_shards.py
+    split: str = "train"
+    num_workers: int = 2
+    augment: bool = True  # random resized crop + flip: the classification augmentation (B.1.2)
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    hflip: bool = True
+    missing_shards: str = "error"  # "error" or "skip"
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "vit_tiny_patch16_224"  # any timm ViT / hybrid / MLP-Mixer name
+    img_size: int = 28
+    patch_size: int | None = 4  # None keeps the architecture's own
+    in_chans: int | None = None  # None: from the shard manifest (1 gray, 3 RGB)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed on to timm.create_model
+
+
+@dataclass
+class ObjectiveConfig:
+    kind: str = "mpp"  # "mpp", "supervised" or "joint" (a*MPP + b*supervised)
+    corrupt_ratio: float = 0.5  # share of patches corrupted; the paper's 50% (sec. 4.6)
+    mask_prob: float = 0.8  # of corrupted: [mask] embedding (BERT's 80/10/10, B.1.2)
+    random_prob: float = 0.1  # of corrupted: another patch's embedding
+    target: str = "mean_color"  # "mean_color", "downsampled" (4x4 in 3-bit) or "pixels" (L2)
+    bits: int = 3  # colour bits per channel of the targets (3 -> 512 classes for RGB)
+    label_smoothing: float = 0.0
+    mpp_weight: float = 1.0
+    supervised_weight: float = 1.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4  # MPP: Adam, lr 2e-4 (B.1.2); supervised used 1e-3..3e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # kept off biases, norms, position embeddings and special tokens
+    grad_clip: float = 1.0  # global norm (B.1)
+    warmup_steps: int = 10_000
+    schedule: str = "cosine"  # "cosine" or "linear" decay after warmup
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    global_batch: int = 4096  # images per optimizer step, whatever the number of ranks
+    micro_batch: int | None = None  # per rank per forward; None: global_batch / world size
+    steps: int | None = None  # optimizer steps; or give epochs
+    epochs: float | None = None  # in samples of the manifest's split
+    precision: str = "auto"  # auto: bf16 on GPUs that have it, else fp16; bf16 autocast on CPU
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    compile: bool = False  # torch.compile the model (GPU)
+
+
+@dataclass
+class TrackingConfig:
+    experiment: str = "ssl-vit"
+    run_name: str | None = None
+    uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+
+
+@dataclass
+class MonitorConfig:
+    knn_every: int = 0  # steps between online kNN checks; 0 turns the monitor off
+    train_split: str = "train"
+    eval_split: str = "test"
+    num_train: int = 5000  # labelled samples in the kNN gallery
+    num_eval: int = 1000
+    k: int = 20
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check `value` against a field's type hint (`int | None`, `tuple[float, float]`, ...)."""
+    if get_origin(hint) in (Union, UnionType):
+        if value is None and type(None) in get_args(hint):
+            return None
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    if value is None:
+        raise ConfigError(f"config key {key!r}: null is not allowed here; give a value")
+    origin = get_origin(hint) or hint
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        dict: lambda v: isinstance(v, dict),
+        tuple: lambda v: isinstance(v, (list, tuple)) and len(v) == len(get_args(hint)),
+    }
+    if hint is Any:
+        return value
+    if not ok[origin](value) or (origin is tuple and not all(ok[float](v) for v in value)):
+        want = getattr(hint, "__name__", str(hint))
+        raise ConfigError(f"config key {key!r}: {value!r} is not a valid {want}")
+    if origin is float:
+        return float(value)
+    if origin is tuple:
+        return tuple(float(v) for v in value)
+    return value
+
+
+def _apply(section: Any, values: dict[str, Any], prefix: str) -> None:
+    hints = get_type_hints(type(section))
+    for key, value in values.items():
+        full = f"{prefix}{key}"
+        if key not in hints:
+            known = ", ".join(f"{prefix}{k}" for k in hints)
+            raise ConfigError(f"unknown config key {full!r}; known keys here: {known}")
+        current = getattr(section, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {full!r} is a section; give a mapping")
+            _apply(current, value, f"{full}.")
+        else:
+            setattr(section, key, _coerce(value, hints[key], full))
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ["optim.lr=1e-3", "model.kwargs={depth: 6}"] into a nested dict (values are YAML)."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=200)")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        node = nested
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return nested
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML preset at `path`, then `overrides`; validated."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: config file not found; see configs/ for presets")
+        try:
+            body = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(body, dict):
+            raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+        _apply(cfg, body, "")
+    _apply(cfg, parse_overrides(overrides or []), "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Checks that need no data; `check_against_data` does the rest once shards are known."""
+    m, o, t = cfg.model, cfg.objective, cfg.train
+    if o.kind not in ("mpp", "supervised", "joint"):
+        raise ConfigError(f"objective.kind={o.kind!r}: choose mpp, supervised or joint")
+    if o.target not in ("mean_color", "downsampled", "pixels"):
+        raise ConfigError(
+            f"objective.target={o.target!r}: choose mean_color, downsampled or pixels"
+        )
+    if not 0 < o.corrupt_ratio <= 1:
+        raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")
+    if o.mask_prob < 0 or o.random_prob < 0 or o.mask_prob + o.random_prob > 1:
+        raise ConfigError("objective.mask_prob + objective.random_prob must be within [0, 1]")
+    if m.patch_size is not None and m.img_size % m.patch_size:
+        raise ConfigError(
+            f"model.img_size={m.img_size} is not divisible by model.patch_size={m.patch_size}"
+        )
+    if (t.steps is None) == (t.epochs is None):
+        raise ConfigError("give exactly one of train.steps and train.epochs")
+    if (t.steps is not None and t.steps <= 0) or (t.epochs is not None and t.epochs <= 0):
+        raise ConfigError("train.steps / train.epochs must be positive")
+    if t.precision not in ("auto", "bf16", "fp16", "fp32"):
+        raise ConfigError(f"train.precision={t.precision!r}: choose auto, bf16, fp16 or fp32")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stages are 0-3")
+    if cfg.optim.schedule not in ("cosine", "linear"):
+        raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: choose cosine or linear")
+    if cfg.data.missing_shards not in ("error", "skip"):
+        raise ConfigError(f"data.missing_shards={cfg.data.missing_shards!r}: error or skip")
+    if t.global_batch <= 0:
+        raise ConfigError(f"train.global_batch={t.global_batch}: must be positive")
+    if world_size is not None:
+        local_batch(cfg, world_size)
+
+
+def local_batch(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """(per-rank batch, micro batch, gradient-accumulation steps) for this world size."""
+    t = cfg.train
+    if t.global_batch % world_size:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by the {world_size} ranks; "
+            "change the batch or the number of processes"
+        )
+    per_rank = t.global_batch // world_size
+    micro = t.micro_batch or per_rank
+    if per_rank % micro:
+        raise ConfigError(
+            f"train.micro_batch={micro} does not divide the per-rank batch {per_rank} "
+            f"(global {t.global_batch} / {world_size} ranks)"
+        )
+    return per_rank, micro, per_rank // micro
+
+
+def save_config(cfg: Config, path: str | os.PathLike, header: str = "") -> None:
+    from ssl_vit.data.manifest import atomic_write_text
+
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    atomic_write_text(path, (header + "\n" if header else "") + text)

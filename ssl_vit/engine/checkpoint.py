@@ -1,0 +1,86 @@
+"""Atomic DeepSpeed checkpoints in a run directory, with a `latest` pointer and pruning.
+
+    RUN/checkpoints/step00000500/   complete checkpoints (DeepSpeed's files + trainer_state.json)
+    RUN/checkpoints/latest          the tag of the newest complete one, replaced atomically
+
+DeepSpeed writes into `<tag>.partial/`; only when every rank has finished is it renamed to
+`<tag>/` and `latest` replaced (temp file + rename). A kill at any moment therefore leaves
+`latest` naming a complete checkpoint, and a leftover `.partial` folder is deleted on the next
+save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks). The run
+directory must be on storage all ranks share (or node-local with one node).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.engine.distributed import barrier
+
+STATE_NAME = "trainer_state.json"
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def latest_tag(ckpt_dir: Path) -> str | None:
+    """The newest complete checkpoint's tag, or None for a fresh run."""
+    pointer = ckpt_dir / "latest"
+    if not pointer.is_file():
+        return None
+    tag = pointer.read_text().strip()
+    if not tag or not (ckpt_dir / tag / STATE_NAME).is_file():
+        raise RuntimeError(
+            f"{pointer}: names {tag!r}, which is not a complete checkpoint; "
+            "delete the pointer to restart from scratch or point it at a complete one"
+        )
+    return tag
+
+
+def save(engine: Any, ckpt_dir: Path, step: int, state: dict, rank: int, keep: int) -> str:
+    """Write a checkpoint for `step` on every rank; returns its tag."""
+    tag = tag_for(step)
+    partial = f"{tag}.partial"
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.glob("*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+    barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=partial, save_latest=False)
+    barrier()
+    if rank == 0:
+        atomic_write_text(ckpt_dir / partial / STATE_NAME, json.dumps(state, indent=2))
+        final = ckpt_dir / tag
+        if final.exists():  # same step saved before (a rerun that ended here): replace it
+            shutil.rmtree(final)
+        (ckpt_dir / partial).rename(final)
+        atomic_write_text(ckpt_dir / "latest", tag + "\n")
+        _prune(ckpt_dir, keep)
+    barrier()
+    return tag
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    tags = sorted(
+        p for p in ckpt_dir.glob("step*") if p.is_dir() and not p.name.endswith(".partial")
+    )
+    for old in tags[: max(0, len(tags) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load(engine: Any, ckpt_dir: Path) -> dict | None:
+    """Restore model, optimizer and scheduler from the latest complete checkpoint.
+
+    Returns the trainer state saved with it (step, ...), or None when there is none.
+    """
+    tag = latest_tag(ckpt_dir)
+    if tag is None:
+        return None
+    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    if path is None:
+        raise RuntimeError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
+    return json.loads((ckpt_dir / tag / STATE_NAME).read_text())

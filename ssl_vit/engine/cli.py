@@ -1,0 +1,73 @@
+"""Command line shared by the pretraining entry scripts in pipelines/."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+
+from ssl_vit.config import ConfigError, load_config, validate
+from ssl_vit.data.manifest import ManifestError
+
+EPILOG = """\
+overrides: any config key as key=value (YAML values), e.g.
+  train.steps=200 optim.lr=1e-3 model.arch=vit_small_patch16_224 model.kwargs='{depth: 6}'
+
+launch:
+  python   pipelines/mpp_pretrain.py --config C        one process (CPU or one GPU)
+  deepspeed --num_gpus 8 pipelines/mpp_pretrain.py --config C      one node, 8 ranks
+  deepspeed --hostfile hosts --num_nodes 4 pipelines/mpp_pretrain.py --config C
+Running the same command again resumes from RUN_DIR/checkpoints/latest.
+"""
+
+
+def parse(argv: list[str] | None, kind: str, description: str):
+    p = argparse.ArgumentParser(
+        description=description,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="YAML preset (see configs/); defaults apply where it is silent")
+    p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = p.parse_args(argv)
+    overrides = list(args.overrides)
+    if not any(o.startswith("objective.kind=") for o in overrides) and kind == "supervised":
+        overrides.insert(0, f"objective.kind={kind}")
+    return args, overrides
+
+
+def main(kind: str, description: str, argv: list[str] | None = None) -> int:
+    """Parse, validate, train; configuration and data errors exit 2 with one line, no traceback."""
+    args, overrides = parse(argv, kind, description)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(name)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    header = "# " + shlex.join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])])
+    try:
+        cfg = load_config(args.config, overrides)
+        if kind == "supervised" and cfg.objective.kind == "mpp":
+            raise ConfigError("supervised_pretrain.py: objective.kind must be supervised or joint")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        validate(cfg, world_size=world)
+        if args.check:
+            from ssl_vit.engine.trainer import check_data
+
+            check_data(cfg, world)
+            print(f"ok: {args.config or 'defaults'} is valid for {world} rank(s)")
+            return 0
+        from ssl_vit.engine.trainer import train
+
+        train(cfg, header=header)
+    except (ConfigError, ManifestError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

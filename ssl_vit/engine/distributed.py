@@ -1,0 +1,59 @@
+"""Process-group set-up that works under the DeepSpeed launcher, torchrun, or plain `python`."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """Start (or join) the process group; returns (rank, local_rank, world_size).
+
+    A plain `python script.py` has no launcher variables: we make it a world of one on
+    127.0.0.1 so the same DeepSpeed code path runs on a laptop and on a cluster.
+    """
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return dist.get_rank(), local_rank, dist.get_world_size()
+
+
+def device_for(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send a small picklable object (a string, a dict of numbers) from `src` to every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,93 @@
+"""Optimizer, learning-rate schedule and the DeepSpeed config built from a `Config`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from timm.optim import param_groups_weight_decay
+
+from ssl_vit.config import Config
+
+# Parameters that never get weight decay besides biases and norm weights (timm excludes every
+# 1-D tensor): the position embeddings and the special tokens ([class], [mask]).
+NO_DECAY_NAMES = ("pos_embed", "cls_token", "reg_token", "dist_token", "mask_token")
+
+
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups, with and without weight decay (B.1: wd 0.1, kept off embeddings/tokens/norms)."""
+    no_decay = {n for n, _ in module.named_parameters() if n.split(".")[-1] in NO_DECAY_NAMES}
+    return param_groups_weight_decay(module, weight_decay, no_weight_decay_list=no_decay)
+
+
+class SkippableAdamW(torch.optim.AdamW):
+    """AdamW whose next `step()` can be skipped, for steps with a non-finite loss.
+
+    DeepSpeed calls the client optimizer's `step()` (also under ZeRO, on the fp32 partitions), so
+    skipping here leaves weights and moments untouched however the engine wraps us.
+    """
+
+    skip_next: bool = False
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102
+        if self.skip_next:
+            self.skip_next = False
+            return None
+        return super().step(closure)
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Linear warmup to the peak, then cosine or linear decay to `min_ratio` of it (B.1)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        decay = 1.0 - progress
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def effective_warmup(warmup_steps: int, total_steps: int) -> int:
+    """The configured warmup, or a tenth of a run too short to hold it (a quick smoke run)."""
+    return warmup_steps if warmup_steps < total_steps else max(1, total_steps // 10)
+
+
+def make_optimizer(
+    module: torch.nn.Module, cfg: Config, total_steps: int
+) -> tuple[SkippableAdamW, torch.optim.lr_scheduler.LambdaLR]:
+    o = cfg.optim
+    opt = SkippableAdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    warmup = effective_warmup(o.warmup_steps, total_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s, warmup, total_steps, o.schedule, o.min_lr_ratio)
+    )
+    return opt, sched
+
+
+def resolve_precision(requested: str) -> str:
+    """'auto' picks bf16 where the hardware runs it well (CPU autocast, Ampere+), else fp16."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16"
+
+
+def deepspeed_config(cfg: Config, world_size: int, micro: int, accum: int, precision: str) -> dict:
+    """DeepSpeed's JSON config. On CPU, bf16 runs as torch autocast around fp32 weights."""
+    on_gpu = torch.cuda.is_available()
+    return {
+        "train_batch_size": cfg.train.global_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": on_gpu and precision == "bf16"},
+        "fp16": {"enabled": on_gpu and precision == "fp16", "loss_scale": 0},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
