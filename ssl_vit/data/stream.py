@@ -1,0 +1,503 @@
+"""Streaming input from a shard set: split by rank and worker, shuffle, decode, augment, batch.
+
+Public API (shared contract 4):
+
+    loader = make_train_loader(root, "train", global_batch=4096, rank=r, world_size=ws,
+                               num_workers=8, img_size=224, seed=0, epoch=0, skip_batches=0)
+    for images, labels in loader:      # images uint8 (B, C, H, W), labels int64 (B,)
+        ...                            # B = global_batch // world_size; len(loader) batches
+    loader.set_epoch(epoch + 1)        # next epoch (skip_batches back to 0)
+    loader.num_skipped                 # corrupt / lost samples met so far, all workers together
+
+    for images, labels in make_eval_loader(root, "test", batch_size=256, img_size=224):
+        ...                            # every sample once, in manifest order (rank's part)
+
+Train loader. Every rank runs exactly `steps_per_epoch = num_samples // global_batch` batches
+per epoch, whatever the shard count, so DDP never hangs. Each DataLoader worker of each rank is
+one "stream" (P = world_size x max(1, num_workers) of them). With at least P shards, the
+epoch's shuffled shards are dealt to streams (each takes one, then the rest go to the stream
+furthest from its sample quota); with fewer shards, every stream reads every shard and keeps
+the samples whose manifest index is its stream id modulo P. A stream whose shards run short
+re-reads them (reshuffled); the quota cuts it. Shard order, buffer shuffle and augmentation are
+seeded by (seed, epoch, stream, position), so an epoch is reproducible; when the sizes divide
+(shards split evenly over streams), every sample is seen exactly once per epoch across ranks.
+
+Resume: `skip_batches=k` yields exactly the batches k.. of the same epoch (same seed, world size
+and num_workers): skipped samples are read from the tar but never decoded. Worker w of the
+resumed loader plays the role of worker (k + w) % W of the uninterrupted one, which keeps
+torch's round-robin worker order aligned with the global batch order.
+
+Bad data. A corrupt sample (undecodable image, bad or missing .cls, no image) is skipped and
+counted, and its place in the batch is filled with a copy of a good sample of the same batch
+(so batch shapes and the batch -> samples mapping stay fixed, which keeps resume exact). A
+truncated or vanished shard ends early; its missing samples are counted. Counts live in shared
+memory: `loader.num_skipped` (samples, cumulative over the loader's life, all workers) and
+`loader.num_shard_errors` (shards that failed to open or ended early), readable any time from
+the main process. They lag the consumed batches by the prefetch depth. A shard missing at
+construction is a one-line ManifestError (missing="error"), or dropped with a warning
+(missing="skip"; the epoch length is then computed without it).
+
+Eval loader: each rank gets the contiguous manifest range [N*rank//ws, N*(rank+1)//ws), in
+order, in batches of `batch_size` (the last, or one holding corrupt samples, may be smaller; a
+corrupt sample is dropped and counted). `with_keys=True` adds the sample keys as a third item.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .augment import CorruptSample, decode_sample, eval_transform, mix_seed, train_transform
+from .manifest import Manifest, ManifestError, check_shards_exist, load_manifest
+
+log = logging.getLogger(__name__)
+_MAX_LOGGED = 20  # per process; then every 1000th, so junk data cannot flood the log
+_n_logged = 0
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    path: str
+    num_samples: int
+    offset: int  # manifest index (within the split) of the shard's first sample
+
+
+class SkipCounter:
+    """Counters in shared memory, written by DataLoader workers and read by the main process."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._samples = ctx.Value("q", 0)
+        self._shards = ctx.Value("q", 0)
+
+    def add(self, samples: int = 0, shard_errors: int = 0) -> None:
+        with self._samples.get_lock():
+            self._samples.value += samples
+        with self._shards.get_lock():
+            self._shards.value += shard_errors
+
+    @property
+    def samples(self) -> int:
+        return int(self._samples.value)
+
+    @property
+    def shard_errors(self) -> int:
+        return int(self._shards.value)
+
+
+def _report(msg: str) -> None:
+    global _n_logged
+    _n_logged += 1
+    if _n_logged <= _MAX_LOGGED or _n_logged % 1000 == 0:
+        log.warning("skipped: %s (%d skip events in this process)", msg, _n_logged)
+
+
+def select_shards(
+    manifest: Manifest, split: str, missing: Literal["error", "skip"] = "error"
+) -> list[ShardRef]:
+    """The split's shards with their sample offsets; missing ones raise or are dropped."""
+    infos = manifest.split(split).shards
+    if missing == "error":
+        paths = check_shards_exist(manifest, split)
+    elif missing == "skip":
+        paths = manifest.shard_paths(split)
+        gone = [p for p in paths if not p.is_file()]
+        if gone:
+            log.warning(
+                "%d of %d %s shards missing, skipped (first: %s)",
+                len(gone),
+                len(paths),
+                split,
+                gone[0],
+            )
+    else:
+        raise ValueError(f"missing must be 'error' or 'skip', not {missing!r}")
+    refs, offset = [], 0
+    for info, path in zip(infos, paths, strict=True):
+        if path.is_file():
+            refs.append(ShardRef(str(path), info.num_samples, offset))
+            offset += info.num_samples
+    if not refs:
+        raise ManifestError(f"{manifest.root}: no {split} shard exists; restore the shard set")
+    return refs
+
+
+def read_shard(
+    ref: ShardRef, keep: Callable[[int], bool] | None, counter: SkipCounter
+) -> Iterator[dict]:
+    """Raw samples of one shard (webdataset's tar reader), tagged with `__index__`; only those
+    whose index passes `keep`. A shard that fails or ends early counts its lost kept samples."""
+    errors: list[BaseException] = []
+
+    def handler(exn: BaseException) -> bool:
+        errors.append(exn)
+        return True  # no sleep, unlike wds.warn_and_continue
+
+    pos = 0
+    for sample in wds.tarfile_samples([{"url": ref.path}], handler=handler):
+        if pos >= ref.num_samples:
+            log.warning("%s: more samples than the manifest says; extra ignored", ref.path)
+            break
+        index = ref.offset + pos
+        pos += 1
+        if keep is None or keep(index):
+            sample["__index__"] = index
+            yield sample
+    if errors or pos < ref.num_samples:
+        lost = range(ref.offset + pos, ref.offset + ref.num_samples)
+        n_lost = sum(1 for i in lost if keep is None or keep(i))
+        # Streams that share the shard count the error once: the owner of the first lost sample.
+        owner = keep is None or keep(ref.offset + min(pos, ref.num_samples - 1))
+        counter.add(samples=n_lost, shard_errors=int(owner))
+        if owner:
+            why = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "ended early"
+            _report(f"{ref.path}: read {pos} of {ref.num_samples} samples ({why})")
+
+
+def _worker() -> tuple[int, int]:
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+class TrainStream(IterableDataset):
+    """One epoch of fixed-size batches for one rank; see the module docstring."""
+
+    def __init__(self, shards: list[ShardRef], *, channels: int, labelled: bool, **cfg: Any):
+        super().__init__()
+        self.shards, self.channels, self.labelled = shards, channels, labelled
+        self.__dict__.update(cfg)  # rank world_size workers batch steps seed epoch skip_batches ...
+
+    def plan(self) -> tuple[list[list[ShardRef]], bool]:
+        """Shards per stream for this epoch, and whether streams split by sample index."""
+        num_streams, W = self.world_size * self.workers, self.workers
+        order = list(self.shards)
+        random.Random(mix_seed(self.seed, self.epoch, 0x5EED)).shuffle(order)
+        if len(order) < num_streams:
+            return [order] * num_streams, True
+        deficit = [self.batch * ((self.steps - s % W + W - 1) // W) for s in range(num_streams)]
+        plan: list[list[ShardRef]] = [[] for _ in range(num_streams)]
+        for i, ref in enumerate(order):
+            s = i if i < num_streams else max(range(num_streams), key=deficit.__getitem__)
+            plan[s].append(ref)
+            deficit[s] -= ref.num_samples
+        return plan, False
+
+    def _pass(self, order: list[ShardRef], keep: Callable[[int], bool] | None) -> Iterator[dict]:
+        for ref in order:
+            yield from read_shard(ref, keep, self.counter)
+
+    def _raw(self, stream: int, shards: list[ShardRef], modulo: bool) -> Iterator[dict]:
+        """The stream's samples, pass after pass over its shards, each pass buffer-shuffled on
+        its own (so one pass is drained before the next begins: no sample twice per pass)."""
+        num_streams = self.world_size * self.workers
+        keep = (lambda i: i % num_streams == stream) if modulo else None
+        for p in count():
+            order = list(shards)
+            if p > 0:  # re-read a short stream, reshuffled
+                random.Random(mix_seed(self.seed, self.epoch, stream, p)).shuffle(order)
+            rng = random.Random(mix_seed(self.seed, self.epoch, stream, -1 - p))
+            shuffle = wds.shuffle(self.shuffle_buffer, self.shuffle_initial, rng=rng)
+            n = 0
+            for sample in shuffle(self._pass(order, keep)):
+                n += 1
+                yield sample
+            if n == 0:  # would loop forever otherwise
+                raise RuntimeError(
+                    f"no readable sample in the {len(order)} shards of stream {stream} "
+                    f"(e.g. {order[0].path if order else '-'}); check the shard set"
+                )
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        w, W = _worker()
+        if W != self.workers:
+            raise RuntimeError(f"built for {self.workers} workers, run with {W}")
+        role = (self.skip_batches + w) % W  # the worker this one stands for; see module doc
+        stream = self.rank * W + role
+        n_total = (self.steps - role + W - 1) // W
+        n_skip = max(0, (self.skip_batches - role + W - 1) // W)
+        plan, modulo = self.plan()
+        src = self._raw(stream, plan[stream], modulo)
+        pos = 0
+        for _ in range(n_skip * self.batch):  # skip before decoding
+            next(src)
+            pos += 1
+        for _ in range(n_total - n_skip):
+            imgs: list[torch.Tensor] = []
+            labels: list[int] = []
+            for _chunk in range(100):
+                for _ in range(self.batch):
+                    sample = next(src)
+                    aug_rng = random.Random(mix_seed(self.seed, self.epoch, stream, pos))
+                    pos += 1
+                    try:
+                        img, label = decode_sample(
+                            sample, channels=self.channels, labelled=self.labelled
+                        )
+                    except CorruptSample as e:
+                        self.counter.add(samples=1)
+                        _report(f"{sample.get('__url__')}: {e}")
+                        continue
+                    imgs.append(self._transform(img, aug_rng))
+                    labels.append(label)
+                if imgs:
+                    break
+            else:
+                raise RuntimeError(f"stream {stream}: 100 batches in a row were all corrupt")
+            for i in range(self.batch - len(imgs)):  # fill corrupt places from the same batch
+                imgs.append(imgs[i])
+                labels.append(labels[i])
+            yield torch.stack(imgs), torch.tensor(labels, dtype=torch.int64)
+
+    def _transform(self, img: torch.Tensor, rng: random.Random) -> torch.Tensor:
+        if not self.augment:
+            return eval_transform(img, self.img_size)
+        return train_transform(img, rng, self.img_size, scale=self.scale, hflip=self.hflip)
+
+
+class EvalStream(IterableDataset):
+    """One rank's contiguous part of a split, in manifest order; see the module docstring."""
+
+    def __init__(self, shards: list[ShardRef], *, channels: int, labelled: bool, **cfg: Any):
+        super().__init__()
+        self.shards, self.channels, self.labelled = shards, channels, labelled
+        self.__dict__.update(cfg)  # lo hi batch img_size with_keys counter
+
+    def __iter__(self) -> Iterator[tuple]:
+        w, W = _worker()
+        lo, hi, bs = self.lo, self.hi, self.batch
+        num_batches = (hi - lo + bs - 1) // bs
+
+        def mine(i: int) -> bool:  # worker w owns batches w, w + W, ... (torch's order)
+            return lo <= i < hi and ((i - lo) // bs) % W == w
+
+        refs = [r for r in self.shards if r.offset < hi and r.offset + r.num_samples > lo]
+        samples = (s for r in refs for s in read_shard(r, mine, self.counter))
+        pending = next(samples, None)
+        for b in range(w, num_batches, W):
+            imgs, labels, keys = [], [], []
+            while pending is not None and (pending["__index__"] - lo) // bs == b:
+                try:
+                    img, label = decode_sample(
+                        pending, channels=self.channels, labelled=self.labelled
+                    )
+                    imgs.append(eval_transform(img, self.img_size))
+                    labels.append(label)
+                    keys.append(pending["__key__"])
+                except CorruptSample as e:
+                    self.counter.add(samples=1)
+                    _report(f"{pending.get('__url__')}: {e}")
+                pending = next(samples, None)
+            # An empty batch is still sent (and dropped by the loader) to keep worker order.
+            images = (
+                torch.stack(imgs)
+                if imgs
+                else torch.empty(
+                    (0, self.channels, self.img_size, self.img_size), dtype=torch.uint8
+                )
+            )
+            out = (images, torch.tensor(labels, dtype=torch.int64))
+            yield (*out, keys) if self.with_keys else out
+
+
+class ShardLoader:
+    """Iterates a stream through a torch DataLoader; batches are assembled in the workers."""
+
+    def __init__(self, dataset: IterableDataset, *, manifest: Manifest, split: str, **dl: Any):
+        self.dataset, self.manifest, self.split = dataset, manifest, split
+        self._dl = dl  # num_workers pin_memory prefetch_factor timeout ctx
+
+    @property
+    def counter(self) -> SkipCounter:
+        return self.dataset.counter
+
+    @property
+    def num_skipped(self) -> int:
+        """Samples skipped so far (corrupt, or lost in a truncated/vanished shard)."""
+        return self.counter.samples
+
+    @property
+    def num_shard_errors(self) -> int:
+        """Shards that failed to open or ended before their manifest count."""
+        return self.counter.shard_errors
+
+    @property
+    def channels(self) -> int:
+        return self.manifest.channels
+
+    @property
+    def mean(self) -> list[float]:
+        return self.manifest.mean
+
+    @property
+    def std(self) -> list[float]:
+        return self.manifest.std
+
+    def __iter__(self) -> Iterator[tuple]:
+        n = self._dl["num_workers"]
+        loader = DataLoader(
+            self.dataset,
+            batch_size=None,  # the workers batch
+            num_workers=n,
+            pin_memory=self._dl["pin_memory"],
+            prefetch_factor=self._dl["prefetch_factor"] if n > 0 else None,
+            timeout=self._dl["timeout"] if n > 0 else 0,
+            multiprocessing_context=self._dl["ctx"] if n > 0 else None,
+        )
+        for batch in loader:
+            if batch[0].shape[0] > 0:
+                yield batch
+
+
+class TrainLoader(ShardLoader):
+    """`len(self)` batches of one epoch; `set_epoch` moves on. See make_train_loader."""
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.dataset.steps
+
+    @property
+    def batch_size(self) -> int:
+        return self.dataset.batch
+
+    @property
+    def num_samples(self) -> int:
+        return sum(r.num_samples for r in self.dataset.shards)
+
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    @property
+    def skip_batches(self) -> int:
+        return self.dataset.skip_batches
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        if not 0 <= skip_batches <= self.steps_per_epoch:
+            raise ValueError(f"skip_batches={skip_batches} outside [0, {self.steps_per_epoch}]")
+        self.dataset.epoch, self.dataset.skip_batches = epoch, skip_batches
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch - self.skip_batches
+
+
+class EvalLoader(ShardLoader):
+    @property
+    def num_samples(self) -> int:
+        """Samples in this rank's part (fewer may come if some are corrupt)."""
+        return self.dataset.hi - self.dataset.lo
+
+    def __len__(self) -> int:
+        return (self.num_samples + self.dataset.batch - 1) // self.dataset.batch
+
+
+def _common(root: str | Path, split: str, num_workers: int, ctx: str | None, missing: str):
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    manifest = load_manifest(root)
+    shards = select_shards(manifest, split, missing)  # type: ignore[arg-type]
+    mp_ctx = mp.get_context(ctx)
+    return manifest, shards, mp_ctx, SkipCounter(mp_ctx)
+
+
+def make_train_loader(
+    root: str | Path,
+    split: str,
+    *,
+    global_batch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 4,
+    img_size: int = 224,
+    seed: int = 0,
+    epoch: int = 0,
+    skip_batches: int = 0,
+    augment: bool = True,
+    scale: tuple[float, float] = (0.08, 1.0),
+    hflip: bool = True,
+    missing: Literal["error", "skip"] = "error",
+    shuffle_buffer: int = 2000,
+    shuffle_initial: int = 500,
+    pin_memory: bool | None = None,
+    prefetch_factor: int = 2,
+    timeout: float = 0,
+    multiprocessing_context: str | None = None,
+) -> TrainLoader:
+    """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
+    int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
+    paper's random resized crop (`scale`) and flip (`hflip`); without it, a centre resize.
+    Resume with the same seed, world_size and num_workers for an exact continuation."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if global_batch < world_size or global_batch % world_size:
+        raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
+    manifest, shards, ctx, counter = _common(
+        root, split, num_workers, multiprocessing_context, missing
+    )
+    num_samples = sum(r.num_samples for r in shards)
+    steps = num_samples // global_batch
+    if steps == 0:
+        raise ValueError(
+            f"{manifest.root}: split {split!r} has {num_samples} samples, fewer than one global "
+            f"batch of {global_batch}; lower the batch size"
+        )
+    dataset = TrainStream(
+        shards, channels=manifest.channels, labelled=manifest.class_names is not None,
+        rank=rank, world_size=world_size, workers=max(1, num_workers),
+        batch=global_batch // world_size, steps=steps, seed=seed, epoch=epoch, skip_batches=0,
+        img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip,
+        shuffle_buffer=shuffle_buffer, shuffle_initial=shuffle_initial, counter=counter,
+    )  # fmt: skip
+    loader = TrainLoader(
+        dataset, manifest=manifest, split=split, num_workers=num_workers,
+        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+        prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx,
+    )  # fmt: skip
+    loader.set_epoch(epoch, skip_batches)
+    return loader
+
+
+def make_eval_loader(
+    root: str | Path,
+    split: str,
+    *,
+    batch_size: int,
+    img_size: int,
+    num_workers: int = 2,
+    rank: int = 0,
+    world_size: int = 1,
+    with_keys: bool = False,
+    missing: Literal["error", "skip"] = "error",
+    pin_memory: bool | None = None,
+    prefetch_factor: int = 2,
+    timeout: float = 0,
+    multiprocessing_context: str | None = None,
+) -> EvalLoader:
+    """Every sample of the split exactly once, in manifest order, centre-resized to img_size;
+    with world_size > 1, rank r gets the r-th contiguous part."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    manifest, shards, ctx, counter = _common(
+        root, split, num_workers, multiprocessing_context, missing
+    )
+    n = sum(r.num_samples for r in shards)
+    dataset = EvalStream(
+        shards, channels=manifest.channels, labelled=manifest.class_names is not None,
+        lo=n * rank // world_size, hi=n * (rank + 1) // world_size, batch=batch_size,
+        img_size=img_size, with_keys=with_keys, counter=counter,
+    )  # fmt: skip
+    return EvalLoader(
+        dataset, manifest=manifest, split=split, num_workers=num_workers,
+        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+        prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx,
+    )  # fmt: skip

@@ -1,0 +1,220 @@
+"""Streaming loader on small real shard sets written here with webdataset.TarWriter."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+
+from ssl_vit.data.manifest import Manifest, ManifestError, ShardInfo, SplitInfo, write_manifest
+from ssl_vit.data.stream import make_eval_loader, make_train_loader
+
+TIMEOUT = 60  # DataLoader timeout: a hung worker fails the test instead of stalling it
+
+
+def _png(value: int, channels: int, size: int) -> bytes:
+    rng = np.random.default_rng(value)
+    shape = (size, size) if channels == 1 else (size, size, 3)
+    arr = rng.integers(0, 256, shape, dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def make_set(
+    root: Path,
+    sizes: list[int],
+    *,
+    split: str = "train",
+    channels: int = 1,
+    size: int = 8,
+    corrupt_image: tuple[int, ...] = (),
+    bad_cls: tuple[int, ...] = (),
+) -> Path:
+    """Shards whose sample i has label i (so tests can see which samples came out)."""
+    root.mkdir(parents=True, exist_ok=True)
+    shards, i = [], 0
+    for s, n in enumerate(sizes):
+        name = f"{split}-{s:06d}.tar"
+        with wds.TarWriter(str(root / name)) as w:
+            for _ in range(n):
+                img = b"not a png at all" if i in corrupt_image else _png(i, channels, size)
+                cls = b"seven" if i in bad_cls else str(i).encode()
+                w.write({"__key__": f"s{i:06d}", "png": img, "cls": cls, "json": b"{}"})
+                i += 1
+        shards.append(ShardInfo(name, n, (root / name).stat().st_size, "0" * 64))
+    manifest = Manifest(
+        splits={split: SplitInfo(num_samples=i, shards=shards)},
+        class_names=[str(k) for k in range(i)],
+        channels=channels,
+        image_size=[size, size],
+        mean=[0.5] * channels,
+        std=[0.25] * channels,
+    )
+    write_manifest(root, manifest)
+    return root
+
+
+def _epoch(loader) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    images, labels = [], []
+    for x, y in loader:
+        images.append(x)
+        labels.append(y)
+    return images, labels
+
+
+def _train(root: Path, **kw):
+    base = dict(num_workers=2, img_size=8, seed=0, timeout=TIMEOUT, shuffle_buffer=50)
+    return make_train_loader(root, "train", **{**base, **kw})
+
+
+@pytest.mark.parametrize("sizes", [[10, 7, 13], [5, 3, 9, 2, 6, 4, 3, 8, 1]])
+def test_equal_steps_on_every_rank(tmp_path: Path, sizes: list[int]) -> None:
+    # 4 ranks x 2 workers = 8 streams: 3 shards (split by sample index) and 9 uneven shards.
+    root = make_set(tmp_path, sizes)
+    steps = sum(sizes) // 8
+    for rank in range(4):
+        loader = _train(root, global_batch=8, rank=rank, world_size=4)
+        assert loader.steps_per_epoch == steps == len(loader)
+        images, labels = _epoch(loader)
+        assert len(images) == steps
+        for x, y in zip(images, labels, strict=True):
+            assert x.shape == (2, 1, 8, 8) and x.dtype == torch.uint8
+            assert y.shape == (2,) and y.dtype == torch.int64
+            assert ((y >= 0) & (y < sum(sizes))).all()
+
+
+@pytest.mark.parametrize("sizes,global_batch", [([16] * 8, 32), ([32, 32], 16)])
+def test_every_sample_once_per_epoch(tmp_path: Path, sizes: list[int], global_batch: int) -> None:
+    root = make_set(tmp_path, sizes)
+    seen: list[int] = []
+    for rank in range(2):
+        _, labels = _epoch(_train(root, global_batch=global_batch, rank=rank, world_size=2))
+        seen += torch.cat(labels).tolist()
+    assert sorted(seen) == list(range(sum(sizes)))
+
+
+def test_deterministic_per_epoch(tmp_path: Path) -> None:
+    root = make_set(tmp_path, [9, 9, 9, 9])  # 2 streams x 18: sizes divide
+    a_img, a_lab = _epoch(_train(root, global_batch=6))
+    b_img, b_lab = _epoch(_train(root, global_batch=6))
+    assert all(torch.equal(p, q) for p, q in zip(a_img + a_lab, b_img + b_lab, strict=True))
+    loader = _train(root, global_batch=6)
+    loader.set_epoch(1)
+    c_img, c_lab = _epoch(loader)
+    assert torch.cat(c_lab).tolist() != torch.cat(a_lab).tolist()
+    assert sorted(torch.cat(c_lab).tolist()) == sorted(torch.cat(a_lab).tolist()) == list(range(36))
+    other_seed = _epoch(_train(root, global_batch=6, seed=1))[1]
+    assert torch.cat(other_seed).tolist() != torch.cat(a_lab).tolist()
+
+
+@pytest.mark.parametrize("skip", [1, 2, 4])
+def test_skip_batches_is_the_tail(tmp_path: Path, skip: int) -> None:
+    root = make_set(tmp_path, [9, 8, 7, 6, 5])  # 35 samples, batch 7: 5 steps (odd, 2 workers)
+    full_img, full_lab = _epoch(_train(root, global_batch=7, epoch=3))
+    assert len(full_img) == 5
+    loader = _train(root, global_batch=7, epoch=3, skip_batches=skip)
+    assert len(loader) == 5 - skip
+    tail_img, tail_lab = _epoch(loader)
+    assert len(tail_img) == 5 - skip
+    for p, q in zip(full_img[skip:] + full_lab[skip:], tail_img + tail_lab, strict=True):
+        assert torch.equal(p, q)
+
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) + 100])
+
+
+def test_corrupt_and_truncated_are_skipped_and_counted(tmp_path: Path) -> None:
+    sizes = [10, 10, 10, 10]
+    root = make_set(tmp_path, sizes, corrupt_image=(3, 25), bad_cls=(17,))
+    _truncate(root / "train-000003.tar")  # samples 30..39, the tail lost
+    bad = {3, 17, 25}
+
+    loader = make_eval_loader(
+        root, "train", batch_size=4, img_size=8, num_workers=2, timeout=TIMEOUT
+    )
+    labels = torch.cat([y for _, y in loader]).tolist()
+    good_before = [i for i in range(30) if i not in bad]
+    assert labels[: len(good_before)] == good_before
+    tail = labels[len(good_before) :]
+    assert 0 < len(tail) < 10 and tail == list(range(30, 30 + len(tail)))
+    assert loader.num_skipped == 40 - len(labels)
+    assert loader.num_shard_errors == 1
+
+    train = _train(root, global_batch=8, world_size=1)
+    images, labels_t = _epoch(train)
+    assert len(images) == 5 and all(x.shape == (8, 1, 8, 8) for x in images)
+    out = set(torch.cat(labels_t).tolist())
+    assert not out & bad and not out & set(range(30 + len(tail), 40))
+    assert train.num_skipped >= 3 + 10 - len(tail) and train.num_shard_errors >= 1
+
+
+def test_missing_shard_error_or_skip(tmp_path: Path) -> None:
+    root = make_set(tmp_path, [8, 8, 8, 8])
+    (root / "train-000002.tar").unlink()
+    with pytest.raises(ManifestError, match="train-000002.tar.*missing"):
+        _train(root, global_batch=8)
+    with pytest.raises(ManifestError, match="train-000002.tar"):
+        make_eval_loader(root, "train", batch_size=4, img_size=8)
+    loader = _train(root, global_batch=8, missing="skip")
+    assert loader.steps_per_epoch == 3
+    seen = sorted(torch.cat(_epoch(loader)[1]).tolist())
+    assert seen == [i for i in range(32) if not 16 <= i < 24]
+    labels = [
+        y for _, y in make_eval_loader(root, "train", batch_size=5, img_size=8, missing="skip")
+    ]
+    assert torch.cat(labels).tolist() == seen
+
+
+def test_vanished_after_construction_does_not_hang(tmp_path: Path) -> None:
+    root = make_set(tmp_path, [8, 8, 8, 8])
+    loader = _train(root, global_batch=8)
+    (root / "train-000001.tar").unlink()
+    images, _ = _epoch(loader)
+    assert len(images) == 4 and loader.num_skipped >= 8 and loader.num_shard_errors >= 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_eval_order_exactly_once(tmp_path: Path, workers: int) -> None:
+    root = make_set(tmp_path, [7, 5, 9], split="test", channels=3, size=6)
+    loader = make_eval_loader(
+        root,
+        "test",
+        batch_size=4,
+        img_size=10,
+        num_workers=workers,
+        timeout=TIMEOUT if workers else 0,
+    )
+    assert len(loader) == 6
+    batches = list(loader)
+    assert [x.shape for x, _ in batches] == [(4, 3, 10, 10)] * 5 + [(1, 3, 10, 10)]
+    assert batches[0][0].dtype == torch.uint8
+    assert torch.cat([y for _, y in batches]).tolist() == list(range(21))
+    parts = []
+    for rank in range(3):
+        part = make_eval_loader(
+            root, "test", batch_size=3, img_size=6, num_workers=workers, rank=rank, world_size=3,
+            with_keys=True,
+        )  # fmt: skip
+        parts.append([k for _, _, keys in part for k in keys])
+    assert [len(p) for p in parts] == [7, 7, 7]
+    assert sum(parts, []) == [f"s{i:06d}" for i in range(21)]
+
+
+def test_rgb_train_shapes_and_bad_arguments(tmp_path: Path) -> None:
+    root = make_set(tmp_path, [6, 6], channels=3, size=12)
+    x, y = next(iter(_train(root, global_batch=4, img_size=8, num_workers=0)))
+    assert x.shape == (4, 3, 8, 8) and x.dtype == torch.uint8
+    with pytest.raises(ValueError, match="not divisible"):
+        _train(root, global_batch=6, world_size=4)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        _train(root, global_batch=16)
+    with pytest.raises(ManifestError, match="no split 'val'"):
+        make_train_loader(root, "val", global_batch=4)
