@@ -1,0 +1,59 @@
+"""Model FLOPs and the dense-matmul peak, to report training speed as a fraction of peak."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["count_train_flops", "measure_matmul_peak"]
+
+
+def count_train_flops(objective: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """Model FLOPs of one forward + backward of `objective(images, labels)` (matmuls, convs,
+    attention, as counted by torch's FlopCounterMode). Gradients it creates are cleared."""
+    had_grad = {p: p.grad for p in objective.parameters()}
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = objective(images, labels)
+        loss.backward()
+    for p, g in had_grad.items():
+        p.grad = g
+    return float(counter.get_total_flops())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_peak(
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    n: int = 2048,
+    repeats: int = 5,
+    min_time: float = 0.2,
+) -> float:
+    """Dense (n x n) @ (n x n) FLOP/s measured now on `device` in `dtype` (median of `repeats`
+    timings, each running matmuls for at least `min_time` seconds)."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b, out=out)  # warm-up
+    _sync(device)
+    rates = []
+    for _ in range(repeats):
+        iters, t0 = 0, time.perf_counter()
+        while True:
+            torch.matmul(a, b, out=out)
+            iters += 1
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_time:
+                break
+        rates.append(2.0 * n**3 * iters / elapsed)
+    return statistics.median(rates)
