@@ -1,0 +1,126 @@
+"""Inspect a ViT the way the paper does (section 4.5, figure 7) and log the plots to MLflow.
+
+    python evals/inspect_vit.py --backbone runs/mpp_ti --data shards/fmnist \
+        --out runs/mpp_ti/inspect
+    python evals/inspect_vit.py --random-init vit_tiny_patch16_224 --patch-size 4 \
+        --data shards/fmnist --out runs/inspect_random     # untrained baseline
+
+Writes embedding_filters.png, position_similarity.png, attention_distance.png,
+attention_rollout.png (and mpp_predictions.png for an MPP run) plus inspect.json under --out,
+and logs them to an MLflow run (MLFLOW_TRACKING_URI, default sqlite:///mlflow.db) tagged with
+the pretraining run's id when --backbone is a run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import torch
+
+from ssl_vit.data.manifest import check_shards_exist, load_manifest
+from ssl_vit.data.stream import make_eval_loader
+from ssl_vit.inspect import inspect_model
+from ssl_vit.models import build_backbone, load_backbone
+
+log = logging.getLogger("inspect_vit")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--backbone", type=Path, help="export folder or pretraining run directory")
+    src.add_argument("--random-init", metavar="ARCH", help="timm arch, untrained (a baseline)")
+    p.add_argument("--data", type=Path, required=True, help="shard set (folder with manifest.json)")
+    p.add_argument("--split", default="test", help="split to draw images from (default: test)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the PNGs and inspect.json")
+    p.add_argument(
+        "--num-images", type=int, default=64, help="images averaged for attention distance"
+    )
+    p.add_argument("--num-show", type=int, default=8, help="images shown in the rollout plot")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--img-size", type=int, default=None, help="input size (default: the model's)")
+    p.add_argument("--patch-size", type=int, default=None, help="with --random-init")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--experiment", default="inspect", help="MLflow experiment name")
+    p.add_argument("--no-mlflow", action="store_true", help="only write the files")
+    return p.parse_args(argv)
+
+
+def read_images(data: Path, split: str, n: int, size: int, batch: int) -> torch.Tensor:
+    """The first n images of the split, in order, as (n, C, size, size) float in [0, 1]."""
+    loader = make_eval_loader(data, split, batch_size=batch, img_size=size, num_workers=0)
+    out, got = [], 0
+    for images, _ in loader:
+        out.append(images[: n - got])
+        got += out[-1].shape[0]
+        if got >= n:
+            break
+    if not got:
+        raise SystemExit(f"{data}: split {split!r} holds no decodable images")
+    return torch.cat(out).float() / 255.0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    manifest = load_manifest(args.data)
+    check_shards_exist(manifest, args.split)
+    parent_run = None
+    if args.backbone is not None:
+        model, meta = load_backbone(args.backbone, img_size=args.img_size)
+        mean, std, name = meta["mean"], meta["std"], meta["arch"]
+        # The pretraining run's id: RUN_DIR/mlflow_run_id, else what the trainer put in the export.
+        run_id_file = args.backbone / "mlflow_run_id"
+        if run_id_file.is_file():
+            parent_run = run_id_file.read_text(encoding="utf-8").strip() or None
+        parent_run = parent_run or meta.get("mlflow_run_id")
+    else:
+        size = args.img_size or (manifest.image_size[0] if manifest.image_size else None)
+        if size is None:
+            raise SystemExit(f"{args.data}: images vary in size; pass --img-size")
+        model = build_backbone(
+            args.random_init, img_size=size, in_chans=manifest.channels, patch_size=args.patch_size
+        )
+        mean, std, name = manifest.mean, manifest.std, f"{args.random_init} (random init)"
+    in_chans = int(model.patch_embed.proj.in_channels) if hasattr(model, "patch_embed") else None
+    if in_chans is not None and in_chans != manifest.channels:
+        raise SystemExit(
+            f"{args.data}: images have {manifest.channels} channels, the backbone takes {in_chans}"
+        )
+    size = int(model.patch_embed.img_size[0] if hasattr(model, "patch_embed") else args.img_size)
+    model.to(args.device)
+    images = read_images(args.data, args.split, args.num_images, size, args.batch_size)
+    log.info("inspecting %s on %d %s images of %s", name, len(images), args.split, args.data)
+    summary = inspect_model(
+        model,
+        images,
+        args.out,
+        mean=mean,
+        std=std,
+        batch_size=args.batch_size,
+        num_show=args.num_show,
+        title=name,
+    )
+    if not args.no_mlflow:
+        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+        mlflow.set_experiment(args.experiment)
+        tags = {"ssl_vit.job": "inspect_vit", "ssl_vit.backbone": name}
+        if parent_run:
+            tags["ssl_vit.pretrain_run_id"] = parent_run
+        with mlflow.start_run(run_name=f"inspect {name}", tags=tags):
+            mlflow.log_params({"data": str(args.data), "split": args.split})
+            mlflow.log_param("num_images", summary["num_images"])
+            for layer, heads in enumerate(summary.get("mean_attention_distance_px", [])):
+                mlflow.log_metric("mean_attention_distance_px", float(np.mean(heads)), step=layer)
+            mlflow.log_artifacts(str(args.out), artifact_path="inspect")
+    log.info("wrote %s", ", ".join(sorted(summary["pngs"].values())))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
