@@ -1,0 +1,48 @@
+"""Few-shot linear evaluation: closed-form ridge to {-1, 1}^K targets (ViT paper, sec. 4.1).
+
+python evals/fewshot.py --backbone runs/quickstart --data shards/fashion-mnist --out fewshot.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
+from ssl_vit.evaluation.fewshot import DEFAULT_L2, DEFAULT_SHOTS, fewshot_eval
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_common_args(p)
+    p.add_argument(
+        "--shots",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_SHOTS),
+        help="examples per class (paper: 1 5 10 25)",
+    )
+    p.add_argument("--seeds", type=int, default=5, help="random draws per shot count")
+    p.add_argument("--l2", type=float, default=DEFAULT_L2, help="ridge strength")
+    args = p.parse_args(argv)
+    if min(args.shots) < 1 or args.seeds < 1 or args.l2 <= 0:
+        p.error("--shots and --seeds must be >= 1 and --l2 > 0")
+    t0 = time.perf_counter()
+    bb, train, test = features_from_args(args)
+    metrics = fewshot_eval(
+        train.features,
+        train.labels,
+        test.features,
+        test.labels,
+        shots=tuple(args.shots),
+        seeds=args.seeds,
+        l2=args.l2,
+    )
+    options = {"shots": args.shots, "seeds": args.seeds, "l2": args.l2}
+    report(args, "fewshot", bb, metrics, options, time.perf_counter() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

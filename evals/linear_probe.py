@@ -1,0 +1,101 @@
+"""Linear probe: multinomial logistic regression on frozen features, top-1 / top-5.
+
+The L2 strength (and the lr for --solver adamw) is chosen on a held-out part of the train split,
+then the probe is refit on all of it and scored on the test split. --mae uses MAE's recipe
+(BatchNorm without affine + LARS) instead, for comparison with published numbers.
+
+    python evals/linear_probe.py --backbone runs/quickstart --data shards/fashion-mnist \
+        --out probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
+from ssl_vit.evaluation.linear_probe import (
+    DEFAULT_L2_GRID,
+    DEFAULT_LR_GRID,
+    linear_probe_eval,
+    mae_probe_eval,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_common_args(p)
+    p.add_argument(
+        "--solver",
+        choices=("lbfgs", "adamw"),
+        default="lbfgs",
+        help="full-batch L-BFGS, or minibatch AdamW for very large feature sets",
+    )
+    p.add_argument(
+        "--l2",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_L2_GRID),
+        help="L2 strengths tried (AdamW: weight decay)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_LR_GRID),
+        help="AdamW learning rates tried",
+    )
+    p.add_argument("--val-fraction", type=float, default=0.1, help="held-out share of train")
+    p.add_argument("--max-iter", type=int, default=300, help="L-BFGS iterations")
+    p.add_argument(
+        "--epochs", type=int, default=None, help="AdamW (default 30) or --mae (default 90) epochs"
+    )
+    p.add_argument(
+        "--probe-batch-size",
+        type=int,
+        default=None,
+        help="AdamW (default 1024) or --mae (default 4096) batch",
+    )
+    p.add_argument("--mae", action="store_true", help="MAE-style probe: BN(no affine) + LARS")
+    p.add_argument(
+        "--mae-base-lr",
+        type=float,
+        default=0.1,
+        help="--mae: lr = base_lr * batch / 256 (MAE: 0.1; small sets may need more)",
+    )
+    p.add_argument("--probe-seed", type=int, default=0, help="split / init seed")
+    args = p.parse_args(argv)
+    if not 0 < args.val_fraction < 1:
+        p.error("--val-fraction must be in (0, 1)")
+    t0 = time.perf_counter()
+    bb, train, test = features_from_args(args)
+    data = (train.features, train.labels, test.features, test.labels)
+    if args.mae:
+        metrics = mae_probe_eval(
+            *data,
+            epochs=args.epochs or 90,
+            batch_size=args.probe_batch_size or 4096,
+            base_lr=args.mae_base_lr,
+            seed=args.probe_seed,
+        )
+        options = {"probe": "mae", "mae_base_lr": args.mae_base_lr}
+    else:
+        metrics = linear_probe_eval(
+            *data,
+            solver=args.solver,
+            l2_grid=tuple(args.l2),
+            lr_grid=tuple(args.lr),
+            val_fraction=args.val_fraction,
+            max_iter=args.max_iter,
+            epochs=args.epochs or 30,
+            batch_size=args.probe_batch_size or 1024,
+            seed=args.probe_seed,
+        )
+        options = {"probe": args.solver, "l2_grid": args.l2, "val_fraction": args.val_fraction}
+    report(args, "linear_probe", bb, metrics, options, time.perf_counter() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

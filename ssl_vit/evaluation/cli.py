@@ -1,0 +1,158 @@
+"""What the evals/*.py entry scripts share: backbone/data arguments, features, reporting."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ssl_vit.data.manifest import ManifestError, load_manifest
+from ssl_vit.evaluation.report import format_table, log_to_mlflow, pretrain_run_id, write_results
+from ssl_vit.features import (
+    DEFAULT_CACHE_DIR,
+    POOLS,
+    EvalBackbone,
+    FeatureError,
+    FeatureSet,
+    load_eval_backbone,
+    random_backbone,
+    split_features,
+)
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--backbone", help="export folder (backbone.safetensors + .json) or run dir")
+    src.add_argument("--random-init", metavar="ARCH", help="baseline: a random timm backbone")
+    p.add_argument("--data", required=True, help="shard set folder (with manifest.json)")
+    p.add_argument("--train-split", default="train", help="gallery / fitting split")
+    p.add_argument("--test-split", default="test", help="evaluation split")
+    p.add_argument(
+        "--pool",
+        choices=POOLS,
+        default="cls",
+        help="[class] token, mean of patch tokens, or last n blocks' [class] tokens",
+    )
+    p.add_argument("--n-last", type=int, default=4, help="blocks concatenated by --pool lastn")
+    p.add_argument(
+        "--img-size",
+        type=int,
+        default=None,
+        help="input size (default: the export's; random init: the shards')",
+    )
+    p.add_argument("--in-chans", type=int, default=None, help="random init: input channels")
+    p.add_argument("--patch-size", type=int, default=None, help="random init: patch size")
+    p.add_argument("--seed", type=int, default=0, help="random init: weight seed")
+    p.add_argument("--batch-size", type=int, default=256, help="feature extraction batch")
+    p.add_argument("--workers", type=int, default=2, help="data loader workers")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="feature cache folder")
+    p.add_argument("--no-cache", action="store_true", help="always recompute features")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast for extraction (default: on for CUDA, off for CPU)",
+    )
+    p.add_argument("--out", default=None, help="results JSON (default: print only)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)",
+    )
+
+
+def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
+    if args.backbone:
+        return load_eval_backbone(args.backbone, img_size=args.img_size)
+    m = load_manifest(args.data)
+    size = args.img_size or (m.image_size[0] if m.image_size else None)
+    if size is None:
+        raise FeatureError(f"{args.data}: images have mixed sizes; pass --img-size")
+    return random_backbone(
+        args.random_init,
+        img_size=size,
+        in_chans=args.in_chans or m.channels,
+        patch_size=args.patch_size,
+        mean=m.mean,
+        std=m.std,
+        seed=args.seed,
+    )
+
+
+def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureSet, FeatureSet]:
+    bb = load_backbone_from_args(args)
+    kw: dict[str, Any] = dict(
+        pool=args.pool,
+        n_last=args.n_last,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        cache_dir=None if args.no_cache else args.cache_dir,
+        device=torch.device(args.device) if args.device else None,
+        bf16=args.bf16,
+    )
+    train = split_features(bb, args.data, args.train_split, **kw)
+    test = split_features(bb, args.data, args.test_split, **kw)
+    return bb, train, test
+
+
+def report(
+    args: argparse.Namespace,
+    eval_name: str,
+    bb: EvalBackbone,
+    metrics: dict[str, Any],
+    options: dict[str, Any],
+    seconds: float,
+) -> dict[str, Any]:
+    """Print the table, write the JSON, log to MLflow; return the results dict."""
+    parent = pretrain_run_id(args.backbone, bb.meta) if args.backbone else None
+    params = {
+        "backbone": bb.source,
+        "backbone_id": bb.ident,
+        "arch": bb.meta.get("arch"),
+        "data": str(Path(args.data).resolve()),
+        "train_split": args.train_split,
+        "test_split": args.test_split,
+        "pool": args.pool if args.pool != "lastn" else f"lastn{args.n_last}",
+        "img_size": bb.img_size,
+        **options,
+    }
+    results = {
+        "eval": eval_name,
+        "params": params,
+        "metrics": metrics,
+        "pretrain_run_id": parent,
+        "seconds": seconds,
+    }
+    print(format_table(f"{eval_name}: {bb.source} on {args.data}", metrics))
+    if args.out:
+        write_results(args.out, results)
+        print(f"results: {args.out}", file=sys.stderr)
+    if not args.no_mlflow:
+        rid = log_to_mlflow(
+            eval_name,
+            metrics,
+            params,
+            parent_run_id=parent,
+            results_path=args.out,
+            tracking_uri=args.tracking_uri,
+        )
+        results["mlflow_run_id"] = rid
+        if rid and args.out:  # keep the JSON complete: it now names its MLflow run
+            write_results(args.out, results)
+    return results
+
+
+def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run an eval's main; bad input becomes a one-line error and exit status 2."""
+    try:
+        return main(argv)
+    except (FeatureError, ManifestError, FileNotFoundError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2

@@ -1,0 +1,250 @@
+"""Linear probe: multinomial logistic regression on frozen, standardised features.
+
+Default recipe: full-batch L-BFGS on softmax cross-entropy + (l2 / 2) ||W||^2 (the bias is not
+penalised). The strength l2 (and, for the minibatch AdamW solver, the learning rate) is chosen
+on a held-out part of the training split; the probe is then refit on the whole training split
+and reported on the test split (top-1, top-5).
+
+Option `mae_probe`: the MAE paper's probe (He et al. 2022, appendix A.2) for comparability
+with published numbers: BatchNorm without affine in front of the linear layer, LARS with
+momentum 0.9, no weight decay, lr = base_lr * batch / 256 with warmup then cosine decay.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+DEFAULT_L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+DEFAULT_LR_GRID = (1e-3, 1e-2)
+
+
+def _standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
+    mean, std = train.mean(0), train.std(0) + 1e-6
+    return [(t - mean) / std for t in (train, *others)]
+
+
+def topk_accuracies(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    k = min(5, logits.shape[1])
+    top = logits.topk(k, dim=1).indices  # (N, k)
+    hit = top == labels[:, None]
+    return hit[:, 0].float().mean().item(), hit.any(1).float().mean().item()
+
+
+def fit_lbfgs(
+    x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float, max_iter: int = 300
+) -> nn.Linear:
+    """Full-batch L-BFGS with a strong-Wolfe line search; x standardised (N, D)."""
+    head = nn.Linear(x.shape[1], num_classes)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    opt = torch.optim.LBFGS(
+        head.parameters(),
+        lr=1.0,
+        max_iter=max_iter,
+        history_size=20,
+        tolerance_grad=1e-7,
+        tolerance_change=1e-10,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(head(x), y) + 0.5 * l2 * head.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return head
+
+
+def fit_adamw(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    weight_decay: float,
+    lr: float,
+    epochs: int = 30,
+    batch_size: int = 1024,
+    seed: int = 0,
+) -> nn.Linear:
+    """Minibatch AdamW with cosine decay, for feature sets too big for full-batch L-BFGS."""
+    g = torch.Generator().manual_seed(seed)
+    head = nn.Linear(x.shape[1], num_classes)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
+    steps = epochs * math.ceil(len(x) / batch_size)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=g).split(batch_size):
+            loss = F.cross_entropy(head(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    return head
+
+
+def linear_probe_eval(
+    train_features: np.ndarray,
+    train_labels: np.ndarray,
+    test_features: np.ndarray,
+    test_labels: np.ndarray,
+    *,
+    solver: str = "lbfgs",
+    l2_grid: tuple[float, ...] = DEFAULT_L2_GRID,
+    lr_grid: tuple[float, ...] = DEFAULT_LR_GRID,
+    val_fraction: float = 0.1,
+    max_iter: int = 300,
+    epochs: int = 30,
+    batch_size: int = 1024,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Choose l2 (and lr) on a held-out part of train, refit on all of train, report on test."""
+    if (train_labels < 0).any() or (test_labels < 0).any():
+        raise ValueError("the linear probe needs labelled train and test splits (found label -1)")
+    if solver not in ("lbfgs", "adamw"):
+        raise ValueError(f"unknown solver {solver!r}; choose lbfgs or adamw")
+    torch.manual_seed(seed)
+    num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+    x = torch.as_tensor(np.asarray(train_features, dtype=np.float32))
+    y = torch.as_tensor(train_labels).long()
+    xt = torch.as_tensor(np.asarray(test_features, dtype=np.float32))
+    yt = torch.as_tensor(test_labels).long()
+
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, int(round(val_fraction * len(x))))
+    va, tr = perm[:n_val], perm[n_val:]
+    xtr, xva = _standardize(x[tr], x[va])  # statistics of the fitting part only
+
+    def fit(xf: torch.Tensor, yf: torch.Tensor, l2: float, lr: float) -> nn.Linear:
+        if solver == "lbfgs":
+            return fit_lbfgs(xf, yf, num_classes, l2, max_iter)
+        return fit_adamw(xf, yf, num_classes, l2, lr, epochs, batch_size, seed)
+
+    grid = [(l2, lr) for l2 in l2_grid for lr in (lr_grid if solver == "adamw" else (0.0,))]
+    sweep: list[dict[str, float]] = []
+    for l2, lr in tqdm(grid, desc="probe sweep", disable=None):
+        head = fit(xtr, y[tr], l2, lr)
+        with torch.no_grad():
+            top1, _ = topk_accuracies(head(xva), y[va])
+        sweep.append({"l2": l2, "lr": lr, "val_top1": top1})
+    best = max(sweep, key=lambda r: (r["val_top1"], r["l2"]))  # ties: the stronger penalty
+
+    xs, xts = _standardize(x, xt)
+    head = fit(xs, y, best["l2"], best["lr"])
+    with torch.no_grad():
+        top1, top5 = topk_accuracies(head(xts), yt)
+        train_top1, _ = topk_accuracies(head(xs), y)
+    out: dict[str, Any] = {
+        "probe_top1": top1,
+        "probe_top5": top5,
+        "probe_train_top1": train_top1,
+        "probe_val_top1": best["val_top1"],
+        "probe_l2": best["l2"],
+        "solver": solver,
+        "sweep": sweep,
+    }
+    if solver == "adamw":
+        out["probe_lr"] = best["lr"]
+    return out
+
+
+class LARS(torch.optim.Optimizer):
+    """SGD with momentum and a layer-wise trust ratio (You et al. 2017), as MAE's probe uses.
+
+    1-D parameters (biases, norms) get neither weight decay nor the trust ratio.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+    ) -> None:
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=trust_coefficient)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                d = p.grad
+                if p.ndim > 1:
+                    d = d.add(p, alpha=group["weight_decay"])
+                    pn, dn = torch.norm(p), torch.norm(d)
+                    ratio = torch.where(
+                        (pn > 0) & (dn > 0), group["eta"] * pn / dn, torch.ones_like(pn)
+                    )
+                    d = d.mul(ratio)
+                buf = self.state[p].setdefault("mu", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(d)
+                p.add_(buf, alpha=-group["lr"])
+
+
+def mae_probe_eval(
+    train_features: np.ndarray,
+    train_labels: np.ndarray,
+    test_features: np.ndarray,
+    test_labels: np.ndarray,
+    *,
+    epochs: int = 90,
+    warmup_epochs: int = 10,
+    batch_size: int = 4096,
+    base_lr: float = 0.1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """MAE-style probe: BatchNorm1d(affine=False) + Linear, LARS, warmup + cosine, no wd."""
+    torch.manual_seed(seed)
+    num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+    x = torch.as_tensor(np.asarray(train_features, dtype=np.float32))
+    y = torch.as_tensor(train_labels).long()
+    model = nn.Sequential(
+        nn.BatchNorm1d(x.shape[1], affine=False, eps=1e-6), nn.Linear(x.shape[1], num_classes)
+    )
+    nn.init.trunc_normal_(model[1].weight, std=0.01)  # MAE's head init
+    nn.init.zeros_(model[1].bias)
+    lr = base_lr * batch_size / 256
+    opt = LARS(model.parameters(), lr=lr)
+    steps_per_epoch = math.ceil(len(x) / batch_size)
+    total, warm = epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
+    g = torch.Generator().manual_seed(seed)
+    step = 0
+    model.train()
+    for _ in tqdm(range(epochs), desc="mae probe", disable=None):
+        for idx in torch.randperm(len(x), generator=g).split(batch_size):
+            scale = (
+                step / max(warm, 1)
+                if step < warm
+                else 0.5 * (1 + math.cos(math.pi * (step - warm) / max(total - warm, 1)))
+            )
+            for group in opt.param_groups:
+                group["lr"] = lr * scale
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+    model.eval()
+    with torch.no_grad():
+        xt = torch.as_tensor(np.asarray(test_features, dtype=np.float32))
+        top1, top5 = topk_accuracies(model(xt), torch.as_tensor(test_labels).long())
+    return {
+        "probe_top1": top1,
+        "probe_top5": top5,
+        "solver": "mae_lars",
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": lr,
+    }

@@ -1,0 +1,117 @@
+"""Eval results: a JSON file, a printed table, and an MLflow run linked to the pretraining run.
+
+The MLflow run is tagged `pretrain_run_id` with the pretraining run's id (read from
+RUN_DIR/mlflow_run_id, or from backbone.json's `mlflow_run_id` when the exporter put it there)
+and, when that run is in the same tracking store, created as its child (mlflow.parentRunId), so
+the UI lists evals under the run they judge. A tracking failure is a warning, never fatal: the
+numbers are already in the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ssl_vit.data.manifest import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+EVAL_EXPERIMENT = "ssl-vit-evals"
+
+
+def write_results(path: str | os.PathLike, results: dict[str, Any]) -> Path:
+    """Write results as indented JSON, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(results, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The scalar numbers of a metrics dict (lists, strings and bools left out)."""
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+def format_table(title: str, metrics: dict[str, Any]) -> str:
+    """A two-column text table of the scalar metrics; accuracies shown in percent."""
+    rows = numeric_metrics(metrics)
+    width = max((len(k) for k in rows), default=6)
+    lines = [title, "-" * (width + 14)]
+    for k, v in rows.items():
+        is_rate = any(t in k for t in ("top1", "top5", "recall", "map@r", "shot_"))
+        shown = f"{100 * v:9.2f} %" if is_rate else f"{v:11.4g}"
+        lines.append(f"{k:<{width}}  {shown}")
+    return "\n".join(lines)
+
+
+def pretrain_run_id(backbone_path: str | os.PathLike | None, meta: dict | None) -> str | None:
+    """The MLflow run id of the pretraining run that produced this backbone, if known."""
+    if backbone_path:
+        p = Path(backbone_path)
+        for cand in (p / "mlflow_run_id", p.parent / "mlflow_run_id"):  # run dir, or its export/
+            if cand.is_file():
+                text = cand.read_text(encoding="utf-8").strip()
+                if text:
+                    return text
+    if meta and isinstance(meta.get("mlflow_run_id"), str):
+        return meta["mlflow_run_id"]
+    return None
+
+
+def log_to_mlflow(
+    eval_name: str,
+    metrics: dict[str, Any],
+    params: dict[str, Any],
+    *,
+    parent_run_id: str | None = None,
+    results_path: str | os.PathLike | None = None,
+    tracking_uri: str | None = None,
+) -> str | None:
+    """Log one eval as an MLflow run; returns its id, or None if tracking failed."""
+    try:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+        mlflow.set_tracking_uri(uri)
+        client = MlflowClient(uri)
+        experiment_id = None
+        tags = {"ssl_vit.eval": eval_name}
+        if parent_run_id:
+            tags["pretrain_run_id"] = parent_run_id
+            try:
+                experiment_id = client.get_run(parent_run_id).info.experiment_id
+                tags["mlflow.parentRunId"] = parent_run_id
+            except Exception:  # parent not in this store: keep the tag, skip nesting
+                log.warning("pretraining run %s not found in %s; not nesting", parent_run_id, uri)
+        if experiment_id is None:
+            exp = client.get_experiment_by_name(EVAL_EXPERIMENT)
+            experiment_id = exp.experiment_id if exp else client.create_experiment(EVAL_EXPERIMENT)
+        run = client.create_run(experiment_id, tags=tags, run_name=eval_name)
+        rid = run.info.run_id
+        for k, v in params.items():
+            client.log_param(rid, k, str(v)[:500])
+        for k, v in numeric_metrics(metrics).items():
+            client.log_metric(rid, _metric_key(k), v)
+        if results_path is not None:
+            client.log_artifact(rid, str(results_path))
+        client.set_terminated(rid)
+        return rid
+    except Exception as e:  # tracking must never lose an eval's result
+        print(f"warning: MLflow logging failed ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+
+
+def _metric_key(k: str) -> str:
+    """MLflow keys allow alphanumerics, _ - . / and space; '@' and '=' are not allowed."""
+    return k.replace("@", "_at_").replace("=", "")

@@ -1,0 +1,329 @@
+"""Frozen features of a backbone on a shard split, extracted in batches and cached on disk.
+
+Every evaluator (kNN, few-shot ridge, linear probe) starts from the same (N, D) matrix of
+features and (N,) labels. Extracting them is the slow part, so they are stored under a cache
+directory keyed by what determines them: the backbone weights (file sha256, or arch + kwargs +
+seed for a randomly initialised baseline), the shard set (manifest sha256), the split, the
+pooling and the input size. A second eval of the same backbone reuses them.
+
+Cache files are safetensors (never pickle), written to a temporary name, fsynced and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.numpy import load_file, save_file
+from tqdm.auto import tqdm
+
+from ssl_vit.data.manifest import MANIFEST_NAME, load_manifest, sha256_file
+
+log = logging.getLogger(__name__)
+
+POOLS = ("cls", "mean", "lastn")
+CACHE_FORMAT = 1
+DEFAULT_CACHE_DIR = ".cache/features"
+
+
+class FeatureError(ValueError):
+    """Bad backbone/data combination; the message names the file and what to do."""
+
+
+@dataclass
+class EvalBackbone:
+    """A frozen backbone ready for feature extraction."""
+
+    model: nn.Module
+    meta: dict[str, Any]  # backbone.json (or its equivalent for a random init)
+    ident: str  # cache identity: weights sha256, or a hash of arch/kwargs/seed
+    img_size: int
+    in_chans: int
+    source: str  # path or "random:ARCH"
+    run_dir: Path | None = None  # the pretraining run directory, when known
+
+
+@dataclass
+class FeatureSet:
+    features: np.ndarray  # (N, D) float32
+    labels: np.ndarray  # (N,) int64, -1 when unlabelled
+    cache_hit: bool = False
+    seconds: float = 0.0
+
+
+def _weights_file(path: Path) -> Path:
+    for cand in (path / "backbone.safetensors", path / "export" / "backbone.safetensors"):
+        if cand.is_file():
+            return cand
+    raise FeatureError(
+        f"{path}: no backbone.safetensors here or under export/; pass an export folder or a run "
+        "directory written by the trainer (or use --random-init ARCH for a baseline)"
+    )
+
+
+def _model_geometry(model: nn.Module) -> tuple[int, int]:
+    """(img_size, in_chans) the model expects (square inputs)."""
+    from ssl_vit.models import token_geometry
+
+    geo = token_geometry(model)
+    return int(geo.img_size[0]), int(geo.in_chans)
+
+
+def load_eval_backbone(path: str | os.PathLike, *, img_size: int | None = None) -> EvalBackbone:
+    """Load an export folder or a run directory (contract 2: `ssl_vit.models.load_backbone`)."""
+    from ssl_vit.models import load_backbone  # imported late: models pulls in timm
+
+    path = Path(path)
+    if not path.exists():
+        raise FeatureError(f"{path}: no such backbone folder; pass an export folder or run dir")
+    weights = _weights_file(path)
+    model, meta = load_backbone(path, img_size=img_size)
+    size, chans = _model_geometry(model)
+    run_dir = weights.parent.parent if weights.parent.name == "export" else None
+    ident = "sha256:" + sha256_file(weights)
+    return EvalBackbone(model.eval(), meta, ident, size, chans, str(path), run_dir)
+
+
+def random_backbone(
+    arch: str,
+    *,
+    img_size: int,
+    in_chans: int,
+    patch_size: int | None,
+    mean: list[float],
+    std: list[float],
+    seed: int = 0,
+    **timm_kwargs: Any,
+) -> EvalBackbone:
+    """A randomly initialised backbone, the baseline every pretraining should beat."""
+    from ssl_vit.models import build_backbone
+
+    torch.manual_seed(seed)
+    model = build_backbone(
+        arch, img_size=img_size, in_chans=in_chans, patch_size=patch_size, **timm_kwargs
+    )
+    kwargs = {"img_size": img_size, "in_chans": in_chans, "patch_size": patch_size, **timm_kwargs}
+    meta = {"arch": arch, "kwargs": kwargs, "mean": list(mean), "std": list(std), "seed": seed}
+    blob = json.dumps({"arch": arch, "kwargs": kwargs, "seed": seed}, sort_keys=True)
+    ident = "random:" + hashlib.sha256(blob.encode()).hexdigest()
+    size, chans = _model_geometry(model)
+    return EvalBackbone(model.eval(), meta, ident, size, chans, f"random:{arch}")
+
+
+def _last_n_cls(model: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
+    """[class] tokens of the last n blocks, each through the final norm, concatenated.
+
+    DINO's linear eval of ViT-S uses n=4; the final LayerNorm is applied to each so the
+    blocks' outputs are on the same scale.
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or len(blocks) < n:
+        raise FeatureError(f"pool 'lastn' needs a ViT with at least {n} blocks")
+    grabbed: list[torch.Tensor] = []
+    hooks = [b.register_forward_hook(lambda m, i, o: grabbed.append(o)) for b in blocks[-n:]]
+    try:
+        model.forward_features(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    norm = getattr(model, "norm", nn.Identity())
+    return torch.cat([norm(t)[:, 0] for t in grabbed], dim=-1)  # (B, n*D)
+
+
+def pool_tokens(model: nn.Module, x: torch.Tensor, pool: str, n_last: int = 4) -> torch.Tensor:
+    """Features (B, D') of normalised images x (B, C, H, W)."""
+    has_cls = bool(getattr(model, "cls_token", None) is not None)
+    if pool in ("cls", "lastn") and not has_cls:
+        raise FeatureError(f"pool {pool!r} needs a [class] token; this backbone has none, use mean")
+    if pool == "lastn":
+        return _last_n_cls(model, x, n_last)
+    tokens = model.forward_features(x)  # (B, T, D), final norm applied
+    if pool == "cls":
+        return tokens[:, 0]
+    if pool == "mean":
+        start = int(getattr(model, "num_prefix_tokens", 0))
+        return tokens[:, start:].mean(dim=1)  # patch tokens only, not [class]/registers
+    raise FeatureError(f"unknown pool {pool!r}; choose one of {POOLS}")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@torch.no_grad()
+def extract_features(
+    backbone: EvalBackbone,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    pool: str = "cls",
+    n_last: int = 4,
+    device: torch.device | None = None,
+    bf16: bool | None = None,
+    total: int | None = None,
+    desc: str = "features",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run uint8 image batches (B, C, H, W) through the frozen backbone.
+
+    Images are scaled to [0, 1], resized to the backbone's input size when they differ,
+    grey images are repeated to 3 channels for an RGB backbone, then normalised with the
+    backbone's mean/std from backbone.json. bf16 autocast defaults to on for CUDA and off for
+    CPU (see benchmarks/knn.py's note: on CPUs without AMX bf16 autocast is slower).
+    """
+    device = device or default_device()
+    bf16 = (device.type == "cuda") if bf16 is None else bf16
+    model = backbone.model.to(device).eval()
+    mean = torch.tensor(backbone.meta["mean"], dtype=torch.float32, device=device)
+    std = torch.tensor(backbone.meta["std"], dtype=torch.float32, device=device)
+    if mean.numel() != backbone.in_chans and mean.numel() == 1:
+        mean, std = mean.expand(backbone.in_chans), std.expand(backbone.in_chans)
+    feats: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    bar = tqdm(total=total, desc=desc, unit="img", disable=None, mininterval=2.0)
+    last_log = time.monotonic()
+    done = 0
+    for images, y in batches:
+        x = images.to(device, non_blocking=True).float().div_(255.0)  # (B, C, H, W)
+        if x.shape[1] != backbone.in_chans:
+            if x.shape[1] == 1 and backbone.in_chans == 3:
+                x = x.expand(-1, 3, -1, -1)
+            else:
+                raise FeatureError(
+                    f"{backbone.source}: backbone takes {backbone.in_chans} channels, the "
+                    f"shards have {x.shape[1]}; use a backbone trained on this kind of image"
+                )
+        if x.shape[-2:] != (backbone.img_size, backbone.img_size):
+            size = (backbone.img_size, backbone.img_size)
+            x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+        x = (x - mean[:, None, None]) / std[:, None, None]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            f = pool_tokens(model, x, pool, n_last)
+        feats.append(f.float().cpu().numpy())
+        labels.append(y.to(torch.int64).cpu().numpy())
+        done += len(y)
+        bar.update(len(y))
+        if bar.disable and time.monotonic() - last_log > 30:  # no TTY: periodic log lines
+            log.info("%s: %d/%s images", desc, done, total if total is not None else "?")
+            last_log = time.monotonic()
+    bar.close()
+    if not feats:
+        raise FeatureError(f"{desc}: the split yielded no images; check the shard set")
+    return np.concatenate(feats), np.concatenate(labels)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+
+
+def cache_key(fields: dict[str, Any]) -> str:
+    blob = json.dumps({"cache_format": CACHE_FORMAT, **fields}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def cached(
+    cache_dir: str | os.PathLike | None,
+    fields: dict[str, Any],
+    compute: Callable[[], tuple[np.ndarray, np.ndarray]],
+) -> FeatureSet:
+    """Return features for `fields` from the cache, or compute and store them."""
+    t0 = time.perf_counter()
+    path = Path(cache_dir) / f"{cache_key(fields)}.safetensors" if cache_dir else None
+    if path is not None and path.is_file():
+        try:
+            d = load_file(path)
+            return FeatureSet(d["features"], d["labels"], True, time.perf_counter() - t0)
+        except Exception as e:  # a corrupt cache entry is recomputed, not fatal
+            log.warning("%s: unreadable feature cache (%s); recomputing", path, e)
+    feats, labels = compute()
+    feats = np.ascontiguousarray(feats, dtype=np.float32)
+    labels = np.ascontiguousarray(labels, dtype=np.int64)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        meta = {k: json.dumps(v) for k, v in fields.items()}
+        save_file({"features": feats, "labels": labels}, str(tmp), metadata=meta)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return FeatureSet(feats, labels, False, time.perf_counter() - t0)
+
+
+def _eval_batches(
+    data: Path, split: str, batch_size: int, num_workers: int, img_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Contract 4: each sample of the split once, in order, as uint8 (B, C, img_size, img_size)."""
+    from ssl_vit.data.stream import make_eval_loader
+
+    yield from make_eval_loader(
+        data, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers
+    )
+
+
+def split_features(
+    backbone: EvalBackbone,
+    data: str | os.PathLike,
+    split: str,
+    *,
+    pool: str = "cls",
+    n_last: int = 4,
+    batch_size: int = 256,
+    num_workers: int = 2,
+    cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
+    device: torch.device | None = None,
+    bf16: bool | None = None,
+) -> FeatureSet:
+    """Frozen features and labels of one split of a shard set, cached."""
+    if pool not in POOLS:
+        raise FeatureError(f"unknown pool {pool!r}; choose one of {POOLS}")
+    manifest = load_manifest(data)
+    info = manifest.split(split)  # raises naming the manifest and the splits it has
+    fields = {
+        "backbone": backbone.ident,
+        "manifest_sha256": sha256_file(Path(manifest.root) / MANIFEST_NAME),
+        "split": split,
+        "pool": pool if pool != "lastn" else f"lastn{n_last}",
+        "img_size": backbone.img_size,
+    }
+
+    def compute() -> tuple[np.ndarray, np.ndarray]:
+        batches = _eval_batches(
+            Path(manifest.root), split, batch_size, num_workers, backbone.img_size
+        )
+        f, y = extract_features(
+            backbone,
+            batches,
+            pool=pool,
+            n_last=n_last,
+            device=device,
+            bf16=bf16,
+            total=info.num_samples,
+            desc=f"{split} features",
+        )
+        if len(y) != info.num_samples:  # the loader skips (and reports) corrupt samples
+            log.warning(
+                "%s: split %r lists %d samples but %d were readable; results cover those only "
+                "(run data_prep/verify_shards.py)",
+                manifest.root / MANIFEST_NAME,
+                split,
+                info.num_samples,
+                len(y),
+            )
+        return f, y
+
+    fs = cached(cache_dir, fields, compute)
+    where = "cache" if fs.cache_hit else "backbone"
+    print(
+        f"{split}: {fs.features.shape} features from {where} in {fs.seconds:.1f}s", file=sys.stderr
+    )
+    return fs
