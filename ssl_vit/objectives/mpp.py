@@ -1,0 +1,268 @@
+"""Masked patch prediction, as in the ViT paper (sec. 4.6, appendix B.1.2).
+
+Corrupt round(corrupt_ratio * N) patch embeddings per image (default 50%): of those 80% become a
+learnable [mask] embedding, 10% another patch's embedding, 10% stay unchanged (BERT). From each
+corrupted patch's own output token, a tanh-MLP head predicts (default) its 3-bit mean colour, 512
+classes for RGB. Usage outside the trainer:
+
+    from ssl_vit.models import build_backbone
+    from ssl_vit.objectives.mpp import MaskedPatchPrediction, mean_color_targets
+
+    vit = build_backbone("vit_tiny_patch16_224", img_size=28, in_chans=1, patch_size=4)
+    mpp = MaskedPatchPrediction(vit, mean=[0.286], std=[0.353])
+    loss, metrics = mpp(images01, labels)  # images in [0, 1], (B, 1, 28, 28)
+    loss.backward()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ssl_vit.models.backbones import token_geometry
+from ssl_vit.models.heads import PretrainHead
+from ssl_vit.objectives.corruption import (
+    KEPT,
+    MASK,
+    RANDOM,
+    Corruption,
+    apply_corruption,
+    draw_corruption,
+)
+from ssl_vit.objectives.targets import (
+    color_class,
+    decode_color_classes,
+    downsized_color_targets,
+    mean_color_targets,
+    patch_pixel_targets,
+    quantize,
+)
+from ssl_vit.objectives.tokens import embed_dim, embed_patches, encode_patches, num_prefix_tokens
+
+__all__ = [
+    "MaskedPatchPrediction",
+    "MPPPrediction",
+    "TARGETS",
+    "mean_color_targets",
+    "downsized_color_targets",
+    "patch_pixel_targets",
+    "decode_color_classes",
+    "draw_corruption",
+    "apply_corruption",
+    "Corruption",
+]
+
+TARGETS = ("mean_color", "downsized_color", "pixels")
+_KIND_NAMES = {MASK: "mask", RANDOM: "random", KEPT: "kept"}
+
+
+@dataclass
+class MPPPrediction:
+    """What the model predicts for the patches it could not (fully) see.
+
+    positions: (B, M) corrupted patch indices (row-major over the token grid).
+    kinds: (B, M) 0 = [mask], 1 = random other patch, 2 = kept unchanged.
+    pred, target: (B, M) classes for "mean_color", (B, M, S*S) for "downsized_color",
+        (B, M, P, P, C) pixels for "pixels" (per-patch normalised if the objective is).
+    Colour classes decode to RGB/gray with `decode_color_classes(c, bits=bits, in_chans=C)`.
+    """
+
+    positions: torch.Tensor
+    kinds: torch.Tensor
+    pred: torch.Tensor
+    target: torch.Tensor
+    target_kind: str
+    bits: int
+    in_chans: int
+    patch_size: int
+    grid: tuple[int, int]
+
+
+class MaskedPatchPrediction(nn.Module):
+    """MPP objective around a timm ViT, hybrid ViT or MLP-Mixer (contract 3).
+
+    Called as `objective(images, labels) -> (loss, metrics)` with images (B, C, H, W) float in
+    [0, 1] (normalised here with `mean`/`std`; targets use the raw values); labels are ignored.
+    Metrics (tensors): mpp/loss, mpp/acc, mpp/acc_{mask,random,kept}, mpp/loss_{mask,random,kept}
+    (the acc metrics are absent for target="pixels" with normalize_pixels=True).
+
+    Args:
+        backbone: from `ssl_vit.models.build_backbone`.
+        patch_size, in_chans: image pixels per token side and channels; read from the backbone
+            when None, checked when given (a hybrid's token covers stem stride x patch pixels).
+        mean, std: per-channel normalisation of the backbone input.
+        corrupt_ratio: share of patches corrupted per image, exactly round(ratio * N) each.
+        mask_prob, random_prob: of the corrupted, share given the [mask] embedding / another
+            patch's embedding; the rest stay unchanged.
+        target: "mean_color" (paper's choice), "downsized_color" (downsize x downsize patch,
+            parallel predictions), or "pixels" (L2 regression of the full patch).
+        bits: colour bits per channel for the colour targets (8^C classes at 3).
+        downsize: side of the downsized patch for "downsized_color".
+        normalize_pixels: per-patch normalise the "pixels" target.
+        head_hidden: hidden width of the tanh-MLP head (default: the embedding width).
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        *,
+        mean: Sequence[float],
+        std: Sequence[float],
+        patch_size: int | None = None,
+        in_chans: int | None = None,
+        corrupt_ratio: float = 0.5,
+        mask_prob: float = 0.8,
+        random_prob: float = 0.1,
+        target: str = "mean_color",
+        bits: int = 3,
+        downsize: int = 4,
+        normalize_pixels: bool = False,
+        head_hidden: int | None = None,
+    ) -> None:
+        super().__init__()
+        geo = token_geometry(backbone)
+        if patch_size is not None and patch_size != geo.patch_px:
+            raise ValueError(
+                f"patch_size={patch_size} but the backbone's tokens are {geo.patch_px} px"
+            )
+        if in_chans is not None and in_chans != geo.in_chans:
+            raise ValueError(f"in_chans={in_chans} but the backbone takes {geo.in_chans} channels")
+        if target not in TARGETS:
+            raise ValueError(f"target={target!r}; choose one of {TARGETS}")
+        if len(mean) != geo.in_chans or len(std) != geo.in_chans:
+            raise ValueError(f"mean/std need {geo.in_chans} values, got {len(mean)}/{len(std)}")
+        if not 0 < corrupt_ratio <= 1:
+            raise ValueError(f"corrupt_ratio must be in (0, 1], got {corrupt_ratio}")
+        if getattr(getattr(backbone, "patch_drop", None), "prob", 0.0) > 0:
+            raise ValueError(
+                "MPP needs every patch token; build the backbone with patch_drop_rate=0"
+            )
+        self.backbone = backbone
+        self.patch_size, self.in_chans, self.grid = geo.patch_px, geo.in_chans, geo.grid
+        self.num_patches = geo.num_patches
+        self.num_corrupt = max(1, round(corrupt_ratio * self.num_patches))
+        self.mask_prob, self.random_prob = float(mask_prob), float(random_prob)
+        self.target, self.bits, self.downsize = target, int(bits), int(downsize)
+        self.normalize_pixels = bool(normalize_pixels)
+        self.num_classes = (1 << self.bits) ** self.in_chans
+        dim = embed_dim(backbone)
+        if target == "mean_color":
+            out = self.num_classes
+        elif target == "downsized_color":
+            if self.patch_size < self.downsize:
+                raise ValueError(f"patch of {self.patch_size} px < downsize {self.downsize}")
+            out = self.downsize**2 * self.num_classes
+        else:
+            out = self.patch_size**2 * self.in_chans
+        self.mask_token = nn.Parameter(torch.empty(dim))
+        nn.init.trunc_normal_(self.mask_token, std=0.02)
+        self.head = PretrainHead(dim, out, head_hidden)
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+        self._prefix = num_prefix_tokens(backbone)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names exempt from weight decay (see ssl_vit.objectives.param_groups)."""
+        names = getattr(self.backbone, "no_weight_decay", set)()
+        return {"mask_token"} | {f"backbone.{n}" for n in names}
+
+    @property
+    def chance_loss(self) -> float:
+        """ln(classes): the cross-entropy of a uniform guess (nan for the pixel target)."""
+        return math.log(self.num_classes) if self.target != "pixels" else float("nan")
+
+    def _targets(self, images: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Targets of the corrupted patches: (B, M) | (B, M, S*S) int64 or (B, M, P*P*C) float."""
+        if self.target == "mean_color":
+            return mean_color_targets(images, self.patch_size, self.bits).gather(1, positions)
+        if self.target == "downsized_color":
+            t = downsized_color_targets(images, self.patch_size, self.bits, self.downsize)
+        else:
+            t = patch_pixel_targets(images, self.patch_size, self.normalize_pixels)
+        return t.gather(1, positions.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+    def _forward(
+        self, images: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor, Corruption]:
+        """-> head outputs (B, M, out), targets, corruption."""
+        B = images.shape[0]
+        x = (images - self.mean) / self.std
+        tokens = embed_patches(self.backbone, x)  # (B, N, D)
+        corr = draw_corruption(
+            B, tokens.shape[1], self.num_corrupt, mask_prob=self.mask_prob,
+            random_prob=self.random_prob, device=tokens.device, generator=generator,
+        )  # fmt: skip
+        tokens = apply_corruption(tokens, corr, self.mask_token)
+        feats = encode_patches(self.backbone, tokens, self.grid)[:, self._prefix :]  # (B, N, D)
+        idx = corr.positions.unsqueeze(-1).expand(-1, -1, feats.shape[-1])
+        out = self.head(feats.gather(1, idx))  # (B, M, out): the head sees corrupted tokens only
+        with torch.autocast(images.device.type, enabled=False):
+            target = self._targets(images.float(), corr.positions)
+        return out, target, corr
+
+    def _per_patch(self, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> per corrupted patch loss (B, M) and correctness (B, M) float (or None)."""
+        B, M = target.shape[:2]
+        if self.target == "pixels":
+            loss = (out.float() - target).pow(2).mean(-1)
+            correct = None
+            if not self.normalize_pixels:  # score the predicted patch's mean colour
+                C = self.in_chans
+                pm = out.float().view(B, M, -1, C).mean(2)
+                tm = target.view(B, M, -1, C).mean(2)
+                correct = (color_class(quantize(pm, self.bits), self.bits)
+                           == color_class(quantize(tm, self.bits), self.bits)).float()  # fmt: skip
+            return loss, correct
+        logits = out.float().view(B, M, -1, self.num_classes)  # (B, M, S, K); S = 1 or downsize^2
+        target = target.view(B, M, -1)
+        loss = F.cross_entropy(logits.flatten(0, 2), target.flatten(), reduction="none")
+        correct = (logits.argmax(-1) == target).float().mean(-1)
+        return loss.view(B, M, -1).mean(-1), correct
+
+    def forward(
+        self, images: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """images (B, C, H, W) in [0, 1] -> (loss, metrics); labels are unused."""
+        out, target, corr = self._forward(images, None)
+        loss_pp, correct = self._per_patch(out, target)
+        loss = loss_pp.mean()  # every image has the same M, so this averages over patches
+        metrics = {"mpp/loss": loss.detach()}
+        onehot = F.one_hot(corr.kinds, 3).float()  # (B, M, 3)
+        counts = onehot.sum((0, 1)).clamp_min(1.0)  # (3,)
+        kind_loss = (loss_pp.detach().unsqueeze(-1) * onehot).sum((0, 1)) / counts
+        for k, name in _KIND_NAMES.items():
+            metrics[f"mpp/loss_{name}"] = kind_loss[k]
+        if correct is not None:
+            metrics["mpp/acc"] = correct.mean()
+            kind_acc = (correct.unsqueeze(-1) * onehot).sum((0, 1)) / counts
+            for k, name in _KIND_NAMES.items():
+                metrics[f"mpp/acc_{name}"] = kind_acc[k]
+        return loss, metrics
+
+    @torch.no_grad()
+    def predict(
+        self, images: torch.Tensor, generator: torch.Generator | None = None
+    ) -> MPPPrediction:
+        """Corrupt, predict and return positions, kinds, predictions and true targets.
+
+        Runs in the module's current mode; call `.eval()` first for dropout-free predictions.
+        """
+        out, target, corr = self._forward(images, generator)
+        B, M = corr.positions.shape
+        if self.target == "pixels":
+            shape = (B, M, self.patch_size, self.patch_size, self.in_chans)
+            pred, target = out.float().view(shape), target.view(shape)
+        else:
+            pred = out.float().view(B, M, -1, self.num_classes).argmax(-1)
+            if self.target == "mean_color":
+                pred = pred.squeeze(-1)
+        return MPPPrediction(
+            positions=corr.positions, kinds=corr.kinds, pred=pred, target=target,
+            target_kind=self.target, bits=self.bits, in_chans=self.in_chans,
+            patch_size=self.patch_size, grid=self.grid,
+        )  # fmt: skip
