@@ -26,6 +26,7 @@ from ssl_vit.data.manifest import check_shards_exist, load_manifest
 from ssl_vit.data.stream import make_eval_loader
 from ssl_vit.inspect import inspect_model
 from ssl_vit.models import build_backbone, load_backbone
+from ssl_vit.objectives import MaskedPatchPrediction
 
 log = logging.getLogger("inspect_vit")
 
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--patch-size", type=int, default=None, help="with --random-init")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--experiment", default="inspect", help="MLflow experiment name")
+    p.add_argument("--seed", type=int, default=0, help="seed of the MPP corruption shown")
+    p.add_argument("--no-mpp", action="store_true", help="skip the MPP predictions panel")
     p.add_argument("--no-mlflow", action="store_true", help="only write the files")
     return p.parse_args(argv)
 
@@ -65,12 +68,52 @@ def read_images(data: Path, split: str, n: int, size: int, batch: int) -> torch.
     return torch.cat(out).float() / 255.0
 
 
+def load_mpp_objective(run_dir: Path, model: torch.nn.Module, mean, std) -> torch.nn.Module | None:
+    """The MPP objective of a pretraining run, its [mask] token and head read from the latest
+    DeepSpeed checkpoint (tensors only); None, with the reason logged, when there is none."""
+    from ssl_vit.config import load_config
+    from ssl_vit.engine.checkpoint import latest_tag
+
+    cfg_path, ckpt_dir = run_dir / "config.yaml", run_dir / "checkpoints"
+    if not cfg_path.is_file():
+        return None
+    cfg = load_config(cfg_path)
+    o = cfg.objective
+    if o.kind not in ("mpp", "joint"):
+        return None
+    tag = latest_tag(ckpt_dir) if ckpt_dir.is_dir() else None
+    states = ckpt_dir / str(tag) / "mp_rank_00_model_states.pt"
+    if tag is None or not states.is_file():
+        log.warning("%s: no checkpoint with the MPP head; skipping the MPP panel", ckpt_dir)
+        return None
+    try:
+        module = torch.load(states, map_location="cpu", weights_only=True)["module"]
+    except Exception as e:  # a format torch's safe loader refuses: skip, never unpickle
+        log.warning("%s: cannot read the MPP head safely (%s); skipping the MPP panel", states, e)
+        return None
+    prefix = "mpp." if o.kind == "joint" else ""
+    head = {k[len(prefix) :]: v for k, v in module.items() if k.startswith(prefix)}
+    head = {k: v for k, v in head.items() if k == "mask_token" or k.startswith("head.")}
+    target = {"downsampled": "downsized_color"}.get(o.target, o.target)
+    objective = MaskedPatchPrediction(
+        model, mean=mean, std=std, corrupt_ratio=o.corrupt_ratio, mask_prob=o.mask_prob,
+        random_prob=o.random_prob, target=target, bits=o.bits,
+    )  # fmt: skip
+    missing = set(objective.state_dict()) - set(head) - {"mean", "std"}
+    missing = {k for k in missing if not k.startswith("backbone.")}
+    if missing or not head:
+        log.warning("%s: MPP weights %s not found; skipping the MPP panel", states, sorted(missing))
+        return None
+    objective.load_state_dict(head, strict=False)
+    return objective
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     manifest = load_manifest(args.data)
     check_shards_exist(manifest, args.split)
-    parent_run = None
+    parent_run, mpp = None, None
     if args.backbone is not None:
         model, meta = load_backbone(args.backbone, img_size=args.img_size)
         mean, std, name = meta["mean"], meta["std"], meta["arch"]
@@ -79,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
         if run_id_file.is_file():
             parent_run = run_id_file.read_text(encoding="utf-8").strip() or None
         parent_run = parent_run or meta.get("mlflow_run_id")
+        if not args.no_mpp:
+            mpp = load_mpp_objective(args.backbone, model, mean, std)
     else:
         size = args.img_size or (manifest.image_size[0] if manifest.image_size else None)
         if size is None:
@@ -87,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
             args.random_init, img_size=size, in_chans=manifest.channels, patch_size=args.patch_size
         )
         mean, std, name = manifest.mean, manifest.std, f"{args.random_init} (random init)"
+        if not args.no_mpp:  # an untrained head: the chance-level baseline of the MPP panel
+            mpp = MaskedPatchPrediction(model, mean=mean, std=std)
     in_chans = int(model.patch_embed.proj.in_channels) if hasattr(model, "patch_embed") else None
     if in_chans is not None and in_chans != manifest.channels:
         raise SystemExit(
@@ -94,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     size = int(model.patch_embed.img_size[0] if hasattr(model, "patch_embed") else args.img_size)
     model.to(args.device)
+    if mpp is not None:
+        mpp.to(args.device)
     images = read_images(args.data, args.split, args.num_images, size, args.batch_size)
     log.info("inspecting %s on %d %s images of %s", name, len(images), args.split, args.data)
     summary = inspect_model(
@@ -105,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
         batch_size=args.batch_size,
         num_show=args.num_show,
         title=name,
+        mpp=mpp,
+        seed=args.seed,
     )
     if not args.no_mlflow:
         mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))

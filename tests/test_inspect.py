@@ -23,12 +23,15 @@ from ssl_vit.inspect import (
     attention_rollout,
     class_rollout_maps,
     embedding_filter_components,
+    inspect_model,
     mean_attention_distance,
+    mpp_mean_colours,
     patch_distances,
     position_similarity,
     record_attention,
 )
 from ssl_vit.models import build_backbone, export_backbone
+from ssl_vit.objectives import MaskedPatchPrediction
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,6 +150,23 @@ def test_hook_attention_matches_unfused_reference_and_leaves_output_unchanged(qk
     assert record_attention(model, x)[1].shape == (3, 3, 50, 50)
 
 
+def test_mpp_colours_are_the_patches_3bit_mean_and_the_panel_is_drawn(tmp_path):
+    model = tiny_vit()
+    mpp = MaskedPatchPrediction(model, mean=[0.5], std=[0.25]).eval()
+    images = torch.rand(2, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+    pred = mpp.predict(images, generator=torch.Generator().manual_seed(0))
+    pos, kinds, pc, tc = mpp_mean_colours(pred)
+    assert pos.shape == kinds.shape == (2, 24) and pc.shape == tc.shape == (2, 24, 1)
+    for b, n in [(0, 0), (1, 5)]:  # true colour = bin centre of the patch's mean grey level
+        r, c = divmod(int(pos[b, n]), 7)
+        mean = float(images[b, 0, 4 * r : 4 * r + 4, 4 * c : 4 * c + 4].mean())
+        assert float(tc[b, n, 0]) == pytest.approx((int(mean * 8) + 0.5) / 8)
+    assert set(torch.unique(pc * 8 - 0.5).round().long().tolist()) <= set(range(8))
+    summary = inspect_model(model, images, tmp_path, mean=[0.5], std=[0.25], mpp=mpp, num_show=2)
+    assert (tmp_path / "mpp_predictions.png").stat().st_size > 1000
+    assert set(summary["mpp_shown_accuracy"]) == {"mask", "random", "kept"}
+
+
 def write_shards(root: Path, n: int = 12) -> None:
     root.mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -197,7 +217,7 @@ def test_cli_random_init_writes_pngs(tmp_path):
         "--num-images", "6", "--num-show", "3", "--batch-size", "4", "--no-mlflow",
         env_uri="sqlite:///unused.db",
     )  # fmt: skip
-    for name in PNGS:
+    for name in (*PNGS, "mpp_predictions"):  # random init: MPP with an untrained head
         png = out / f"{name}.png"
         assert png.stat().st_size > 1000
         assert Image.open(png).size[0] > 200
@@ -230,3 +250,76 @@ def test_cli_run_dir_logs_to_mlflow_tagged_with_pretraining_run(tmp_path):
     assert {f"inspect/{n}.png" for n in PNGS} <= logged
     hist = client.get_metric_history(run.info.run_id, "mean_attention_distance_px")
     assert sorted(m.step for m in hist) == [0, 1]
+
+
+SAVE_MPP_RUN = r"""
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+from safetensors.torch import save_file
+
+from ssl_vit.config import Config, save_config
+from ssl_vit.engine import checkpoint
+from ssl_vit.models import build_backbone, export_backbone
+from ssl_vit.objectives import MaskedPatchPrediction
+
+run = Path(sys.argv[1])
+kw = {"img_size": 28, "in_chans": 1, "patch_size": 4, "depth": 2}
+torch.manual_seed(0)
+model = build_backbone("vit_tiny_patch16_224", **kw)
+obj = MaskedPatchPrediction(model, mean=[0.1], std=[0.3])
+cfg = Config()
+cfg.train.steps = 1
+save_config(cfg, run / "config.yaml")
+with torch.no_grad():  # shift away from any fresh initialisation: "trained" weights
+    for p in [obj.mask_token, *obj.head.parameters()]:
+        p.add_(1.0)
+adam = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+ds = {"train_batch_size": 1, "optimizer": adam}
+engine, *_ = deepspeed.initialize(model=obj, model_parameters=obj.parameters(), config=ds)
+checkpoint.save(engine, run / "checkpoints", 1, {"step": 1}, 0, 1)
+arch = "vit_tiny_patch16_224"
+export_backbone(model, run / "export", arch=arch, kwargs=kw, mean=[0.1], std=[0.3])
+ref = {k: v.contiguous() for k, v in obj.state_dict().items() if not k.startswith("backbone.")}
+save_file(ref, str(run / "reference_head.safetensors"))
+"""
+
+
+@pytest.mark.slow
+def test_mpp_head_is_read_from_a_real_deepspeed_checkpoint(tmp_path):
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    run.mkdir()
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29561",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVE_MPP_RUN, str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("inspect_vit", REPO / "evals/inspect_vit.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    from ssl_vit.models import load_backbone
+
+    model, meta = load_backbone(run)
+    objective = cli.load_mpp_objective(run, model, meta["mean"], meta["std"])
+    assert objective is not None
+    got = objective.state_dict()
+    for k, v in load_file(str(run / "reference_head.safetensors")).items():
+        torch.testing.assert_close(got[k], v, msg=k)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from ssl_vit.inspect.analyses import (
     embedding_filter_components,
     mean_attention_distance,
     mean_pairwise_grid_distance,
+    mpp_mean_colours,
     patch_distances,
     patch_grid,
     patch_pixels,
@@ -47,6 +48,7 @@ __all__ = [
     "inspect_model",
     "mean_attention_distance",
     "mean_pairwise_grid_distance",
+    "mpp_mean_colours",
     "patch_distances",
     "patch_grid",
     "patch_pixels",
@@ -56,9 +58,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# MPP panel input: images01 (S, C, H, W) -> (positions, kinds, pred_colours, true_colours)
-MppFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _patch_projection_weight(model: nn.Module) -> torch.Tensor | None:
@@ -83,10 +82,15 @@ def inspect_model(
     num_show: int = 8,
     num_filters: int = 28,
     title: str = "",
-    mpp: MppFn | None = None,
+    mpp: nn.Module | None = None,
+    num_mpp: int = 4,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Run every analysis the backbone supports on `images01` (N, C, H, W) in [0, 1]; write the
-    PNGs and `inspect.json` under out_dir. Returns the summary (also in inspect.json)."""
+    PNGs and `inspect.json` under out_dir. Returns the summary (also in inspect.json).
+
+    `mpp`: a MaskedPatchPrediction around `model` (with its trained head) for the MPP panel,
+    drawn on the first `num_mpp` images with a corruption seeded by `seed`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
@@ -141,12 +145,22 @@ def inspect_model(
         log.info("%s backbone has no attention: skipping distance and rollout", kind)
 
     if mpp is not None:
-        pos, kinds, pred, true = mpp(images01[: min(num_show, 4)].to(device))
-        fig = plots.plot_mpp_predictions(
-            images01[: pos.shape[0]], pos, kinds, pred, true, patch=patch, title=prefix
-        )
-        pngs["mpp"] = str(plots.save_figure(fig, out / "mpp_predictions.png"))
-        summary["mpp_colour_accuracy_shown"] = float((pred == true).all(-1).float().mean())
+        mpp.eval()
+        gen = torch.Generator(device=device).manual_seed(seed)
+        pred = mpp.predict(images01[:num_mpp].to(device).float(), generator=gen)
+        if pred.target_kind == "mean_color":
+            pos, kinds, pc, tc = mpp_mean_colours(pred)
+            fig = plots.plot_mpp_predictions(
+                images01[: pos.shape[0]], pos, kinds, pc, tc, patch=patch, title=prefix
+            )
+            pngs["mpp"] = str(plots.save_figure(fig, out / "mpp_predictions.png"))
+            hit = (pred.pred == pred.target).float()  # (S, M)
+            summary["mpp_shown_accuracy"] = {
+                name: float(hit[pred.kinds == k].mean()) if bool((pred.kinds == k).any()) else None
+                for k, name in ((0, "mask"), (1, "random"), (2, "kept"))
+            }
+        else:
+            log.info("MPP target %s has no single colour per patch: no panel", pred.target_kind)
 
     summary["pngs"] = pngs
     atomic_write_text(out / "inspect.json", json.dumps(summary, indent=2) + "\n")

@@ -15,6 +15,7 @@ from torch import nn
 
 from ssl_vit.inspect.attention import AttentionRecorder
 from ssl_vit.models import token_geometry
+from ssl_vit.objectives.mpp import MPPPrediction, decode_color_classes
 
 
 def patch_grid(model: nn.Module) -> tuple[int, int]:
@@ -170,3 +171,20 @@ def attention_statistics(
         raise ValueError("attention_statistics got no images")
     rollout = torch.cat(maps) if maps else torch.empty(0, *grid)
     return AttentionStats(distance=total / n, rollout=rollout, num_images=n)
+
+
+def mpp_mean_colours(
+    prediction: MPPPrediction,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MPP predictions (section 4.6) as colours: (positions (B, M), kinds (B, M),
+    predicted (B, M, C), true (B, M, C)) with colours the 3-bit bin centres in [0, 1].
+    Only the paper's mean-colour target has one colour per patch."""
+    if prediction.target_kind != "mean_color":
+        raise ValueError(
+            f"MPP target {prediction.target_kind!r}: the colour panel needs target mean_color"
+        )
+
+    bits, chans = prediction.bits, prediction.in_chans
+    pred = decode_color_classes(prediction.pred, bits=bits, in_chans=chans)  # (B, M, C)
+    true = decode_color_classes(prediction.target, bits=bits, in_chans=chans)  # (B, M, C)
+    return prediction.positions, prediction.kinds, pred, true

@@ -97,8 +97,7 @@ def plot_position_similarity(sim: torch.Tensor, *, title: str = "") -> Figure:
             y, x = r * (gh + gap), c * (gw + gap)
             mosaic[y : y + gh, x : x + gw] = s[r, c]
     fig, ax = plt.subplots(figsize=(6.2, 5.6))
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("white")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")  # white gaps between maps
     im = ax.imshow(mosaic, cmap=cmap, vmin=-1.0, vmax=1.0, interpolation="nearest")
     ax.set_xticks(
         [c * (gw + gap) + (gw - 1) / 2 for c in range(gw)], [str(c + 1) for c in range(gw)]
@@ -175,11 +174,29 @@ def plot_rollout(images: torch.Tensor, maps: torch.Tensor, *, title: str = "") -
 def _fill_patches(
     img: np.ndarray, positions: np.ndarray, colours: np.ndarray, gw: int, p: tuple[int, int]
 ) -> np.ndarray:
+    """img (H, W, 3); paint each listed patch (row-major index) a flat colour (3,)."""
     out = img.copy()
     for pos, col in zip(positions, colours, strict=True):
         r, c = divmod(int(pos), gw)
-        out[r * p[0] : (r + 1) * p[0], c * p[1] : (c + 1) * p[1]] = col[0] if out.ndim == 2 else col
+        out[r * p[0] : (r + 1) * p[0], c * p[1] : (c + 1) * p[1]] = col
     return out
+
+
+def _rgb(a: np.ndarray) -> np.ndarray:
+    """An image (H, W) gray or (H, W, 3) -> (H, W, 3)."""
+    return np.repeat(a[..., None], 3, axis=-1) if a.ndim == 2 else a
+
+
+def _rgb_colours(a: np.ndarray) -> np.ndarray:
+    """Colours (M, 1) gray or (M, 3) -> (M, 3)."""
+    return np.repeat(a, 3, axis=-1) if a.shape[-1] == 1 else a
+
+
+def _outline(ax: plt.Axes, pos: int, gw: int, p: tuple[int, int], colour: str, **kw) -> None:
+    r, c = divmod(int(pos), gw)
+    ax.add_patch(
+        Rectangle((c * p[1] - 0.5, r * p[0] - 0.5), p[1], p[0], fill=False, edgecolor=colour, **kw)
+    )
 
 
 def plot_mpp_predictions(
@@ -197,40 +214,40 @@ def plot_mpp_predictions(
 
     images: (S, C, H, W) in [0, 1]; positions, kinds: (S, M) patch indices (row-major) and
     corruption kind (0 [mask], 1 random patch, 2 kept); *_colours: (S, M, C) in [0, 1].
-    Uncorrupted patches are shown dimmed in the colour panels.
+    In the colour panels the uncorrupted patches are shown dimmed and tinted blue.
     """
     S = images.shape[0]
     gw = images.shape[-1] // patch[1]
-    fig, axes = plt.subplots(S, 4, figsize=(7.2, 1.9 * S + 0.6), squeeze=False)
+    fig, axes = plt.subplots(S, 4, figsize=(7.2, 1.95 * S + 0.7), squeeze=False)
     heads = ["original", "corrupted input", "predicted mean colour", "true mean colour"]
+    tint = np.array([0.25, 0.3, 0.55], dtype=np.float32)
     for i in range(S):
-        img = _to_hwc(images[i].cpu())
+        img = _rgb(_to_hwc(images[i].cpu()))  # (H, W, 3)
         pos = positions[i].cpu().numpy()
         kin = kinds[i].cpu().numpy()
+        pc = _rgb_colours(pred_colours[i].cpu().numpy())  # (M, 3)
+        tc = _rgb_colours(true_colours[i].cpu().numpy())
         masked = pos[kin == 0]
-        grey = np.full((len(masked), img.shape[-1] if img.ndim == 3 else 1), 0.5)
-        corrupted = _fill_patches(img, masked, grey, gw, patch)
-        dim = img * 0.25
-        pred = _fill_patches(dim, pos, pred_colours[i].cpu().numpy(), gw, patch)
-        true = _fill_patches(dim, pos, true_colours[i].cpu().numpy(), gw, patch)
+        corrupted = _fill_patches(img, masked, np.full((len(masked), 3), 0.5), gw, patch)
+        context = img * tint  # uncorrupted patches: dim, blue, clearly not predictions
+        pred = _fill_patches(context, pos, pc, gw, patch)
+        true = _fill_patches(context, pos, tc, gw, patch)
         for j, panel in enumerate([img, corrupted, pred, true]):
             _show(axes[i, j], panel)
             if i == 0:
                 axes[i, j].set_title(heads[j], fontsize=8)
         for pp, kk in zip(pos, kin, strict=True):
-            r, c = divmod(int(pp), gw)
-            axes[i, 1].add_patch(
-                Rectangle(
-                    (c * patch[1] - 0.5, r * patch[0] - 0.5),
-                    patch[1],
-                    patch[0],
-                    fill=False,
-                    lw=0.8,
-                    edgecolor=KIND_COLOURS[int(kk)],
-                )
-            )
-    legend = [Patch(edgecolor=KIND_COLOURS[k], fill=False, label=n) for k, n in KIND_NAMES.items()]
+            hatch = "////" if kk == 0 else None
+            _outline(axes[i, 1], pp, gw, patch, KIND_COLOURS[int(kk)], lw=0.8, hatch=hatch)
+        right = int((np.abs(pc - tc).max(-1) < 1e-6).sum())
+        axes[i, 2].set_xlabel(f"{right}/{len(pos)} right", fontsize=7)
+    legend = [
+        Patch(edgecolor=KIND_COLOURS[k], fill=False, hatch="////" if k == 0 else None, label=n)
+        for k, n in KIND_NAMES.items()
+    ]
     fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=7, frameon=False)
-    fig.suptitle(f"{title}Masked patch prediction on corrupted patches", fontsize=9)
+    fig.suptitle(
+        f"{title}Masked patch prediction: 3-bit mean colour of the corrupted patches", fontsize=9
+    )
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
