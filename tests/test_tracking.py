@@ -1,0 +1,196 @@
+"""Tracker against real MLflow: a SQLite store, and a real `mlflow server` killed mid-run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ssl_vit.tracking import MAX_PARAM_LEN, Tracker, flatten, main
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One migrated MLflow SQLite database (creating one takes seconds); tests copy it."""
+    path = tmp_path_factory.mktemp("db") / "template.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if cond():
+                return
+        except Exception:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_flatten_truncates() -> None:
+    flat = flatten({"a": {"b": {"c": 1}, "d": [1, 2]}, "e": "x" * (MAX_PARAM_LEN + 10), "f": {}})
+    assert flat == {"a.b.c": "1", "a.d": "[1, 2]", "e": "x" * MAX_PARAM_LEN, "f": "{}"}
+
+
+def test_sqlite_store_and_resume_without_duplicates(
+    tmp_path: Path, template_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(template_db, tmp_path / "mlflow.db")  # the default store, already migrated
+
+    off = Tracker(enabled=False, experiment="x", spool_dir=tmp_path / "off")
+    off.log_metrics({"loss": 1.0}, step=0)
+    off.close()
+    assert off.run_id is None and not (tmp_path / "off").exists()
+
+    (tmp_path / "config.yaml").write_text("lr: 0.1\n")
+    with Tracker(
+        enabled=True, experiment="exp", run_name="first", tags={"stage": "pretrain"},
+        spool_dir=tmp_path / "spool", system_metrics_interval=0.3,
+    ) as first:  # fmt: skip
+        run_id = first.run_id
+        assert run_id is not None
+        first.log_params({"optim": {"lr": 0.1, "betas": [0.9, 0.999]}, "arch": "vit_tiny"})
+        for step in range(10):
+            first.log_metrics({"loss": 10.0 - step, "lr": 0.1}, step=step)
+        first.log_metrics({"loss": 99.0}, step=3)  # an old step in the same process: dropped
+        first.log_artifact(tmp_path / "config.yaml", artifact_path="config")
+        first.set_tags({"note": "hello"})
+        time.sleep(1.0)  # a few system-metric samples
+
+    # Resume from a checkpoint at step 5: steps 5..9 are logged again, 10..14 are new.
+    with Tracker(
+        enabled=True, experiment="exp", run_id=run_id, spool_dir=tmp_path / "spool",
+        system_metrics=False,
+    ) as second:  # fmt: skip
+        assert second.run_id == run_id
+        for step in range(5, 15):
+            second.log_metrics({"loss": 100.0 + step}, step=step)
+
+    client = MlflowClient("sqlite:///mlflow.db")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "first"
+    assert run.data.params == {"optim.lr": "0.1", "optim.betas": "[0.9, 0.999]", "arch": "vit_tiny"}
+    assert run.data.tags["stage"] == "pretrain" and run.data.tags["note"] == "hello"
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+    assert _steps(client, run_id, "loss") == list(range(15))  # each step once
+    assert history[3] == 7.0 and history[7] == 3.0 and history[12] == 112.0
+    assert _steps(client, run_id, "lr") == list(range(10))
+    assert [a.path for a in client.list_artifacts(run_id, "config")] == ["config/config.yaml"]
+    assert any(k.startswith("system/") for k in run.data.metrics)
+    exp = client.get_experiment_by_name("exp")
+    assert len(client.search_runs([exp.experiment_id])) == 1  # resumed, not a new run
+    assert not list((tmp_path / "spool").glob("*.jsonl"))  # nothing left spooled
+
+
+class _Server:
+    """A real `mlflow server` on 127.0.0.1, killable and restartable on the same port."""
+
+    def __init__(self, root: Path, db: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.root, self.db, self.proc = root, db, None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 150) -> None:
+        cmd = [
+            str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1",
+            "--port", str(self.port), "--backend-store-uri", f"sqlite:///{self.db}",
+            "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1",
+        ]  # fmt: skip
+        log = open(self.root / "server.log", "a")  # noqa: SIM115 (the server's lifetime)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        _wait(
+            lambda: urllib.request.urlopen(f"{self.uri}/health", timeout=1).status == 200,
+            timeout, "mlflow server to start",
+        )  # fmt: skip
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.mark.slow
+def test_server_outage_spools_and_recovers(
+    tmp_path: Path, template_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")  # restored after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    db = tmp_path / "server.db"
+    shutil.copy(template_db, db)
+    server = _Server(tmp_path, db)
+    spool = tmp_path / "spool"
+    try:
+        # 1. Server down at start: the constructor returns quickly without a run id.
+        t0 = time.monotonic()
+        tracker = Tracker(
+            enabled=True, experiment="outage", run_name="r", tracking_uri=server.uri,
+            spool_dir=spool, system_metrics=False, retry_interval=0.5,
+        )  # fmt: skip
+        assert time.monotonic() - t0 < 5 and tracker.run_id is None
+        tracker.log_params({"a": {"b": 1}})
+        for step in range(5):
+            tracker.log_metrics({"loss": float(step)}, step=step)
+
+        # 2. The server comes up: the run is created and the spooled steps arrive.
+        server.start()
+        client = MlflowClient(server.uri)
+        _wait(lambda: tracker.run_id is not None, 20, "the run to be created")
+        run_id = tracker.run_id
+        _wait(lambda: _steps(client, run_id, "loss") == list(range(5)), 20, "spooled steps")
+        for step in range(5, 10):
+            tracker.log_metrics({"loss": float(step)}, step=step)
+        _wait(lambda: _steps(client, run_id, "loss") == list(range(10)), 20, "live steps")
+
+        # 3. Killed mid-run: logging neither raises nor blocks; the steps arrive after a restart.
+        server.kill()
+        t0 = time.monotonic()
+        for step in range(10, 15):
+            tracker.log_metrics({"loss": float(step)}, step=step)
+        assert time.monotonic() - t0 < 0.5
+        _wait(lambda: any(spool.glob("*.jsonl")), 15, "events spooled while the server is down")
+        server.start()
+        _wait(lambda: _steps(client, run_id, "loss") == list(range(15)), 30, "steps after restart")
+
+        # 4. Down again until the end: close() is bounded, the spool keeps the rest, and the
+        #    replay command pushes it (here straight into the server's backend store).
+        server.kill()
+        for step in range(15, 20):
+            tracker.log_metrics({"loss": float(step)}, step=step)
+        t0 = time.monotonic()
+        tracker.close("FINISHED", timeout=10)
+        assert time.monotonic() - t0 < 12
+        assert len(list(spool.glob("*.jsonl"))) == 1
+        assert main(["replay", str(spool), "--tracking-uri", f"sqlite:///{db}"]) == 0
+        store = MlflowClient(f"sqlite:///{db}")
+        assert _steps(store, run_id, "loss") == list(range(20))  # nothing lost, nothing twice
+        run = store.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.params == {"a.b": "1"}
+        assert not list(spool.glob("*.jsonl"))
+        assert main(["replay", str(spool)]) == 0  # nothing left: a no-op
+    finally:
+        server.kill()
