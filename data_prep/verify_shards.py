@@ -1,0 +1,35 @@
+"""Check a shard set against its manifest.json; exit 1 on any mismatch. See --help."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ssl_vit.data.shard_verify import verify_shard_set
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="verify_shards.py",
+        description="Verify a shard set made by data_prep/make_shards.py: every shard's size, "
+        "sha256 and sample count against manifest.json, one decoded image per shard (channels "
+        "and size), and errors.jsonl against num_skipped. Prints a summary; exits 1 on any "
+        "mismatch.",
+    )
+    p.add_argument("root", type=Path, help="the shard folder (holding manifest.json)")
+    p.add_argument("--no-decode", action="store_true", help="skip decoding a sample per shard")
+    a = p.parse_args(argv)
+    report = verify_shard_set(a.root, decode=not a.no_decode)
+    for line in report.lines:
+        print(line)
+    for w in report.warnings:
+        print(f"warning: {w}")
+    for problem in report.problems:
+        print(f"verify_shards.py: error: {a.root}: {problem}", file=sys.stderr)
+    print(f"{a.root}: {'OK' if report.ok else f'FAILED ({len(report.problems)} problems)'}")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""Run a sharding job (parallel, resumable, one of N machines) and merge it into a shard set.
+
+Layout while running: OUT/.work/ holds plan.json (what is being made), group records and part
+tars. `merge` renames the parts to `{split}-{index:06d}.tar`, writes errors.jsonl and, last,
+manifest.json, then removes OUT/.work. A folder with a manifest is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import ssl_vit
+from ssl_vit.data.imaging import (
+    BadImage,
+    Encoded,
+    ImageOptions,
+    configure_pil,
+    process_bytes,
+    process_pixels,
+)
+from ssl_vit.data.manifest import (
+    ERRORS_NAME,
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    atomic_write_text,
+    write_manifest,
+)
+from ssl_vit.data.shard_plan import Group, ShardOptions, make_plan
+from ssl_vit.data.shard_writer import (
+    GroupWriter,
+    load_record,
+    sample_members,
+    sample_meta,
+    verify_record,
+)
+from ssl_vit.data.sources import Listing, open_source
+
+WORK = ".work"
+TOOL = "data_prep/make_shards.py"
+
+
+class JobError(ValueError):
+    """A problem with the arguments or the output folder; the message is one line."""
+
+
+@dataclass
+class Summary:
+    kept: int
+    skipped: int
+    written_groups: int
+    reused_groups: int
+    merged: bool
+    up_to_date: bool = False
+
+
+# ----------------------------------------------------------------------------- workers
+
+_OPTS: ImageOptions | None = None
+
+
+def _init_worker(opts: ImageOptions) -> None:
+    global _OPTS
+    _OPTS = opts
+    configure_pil()
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except PermissionError:
+        raise BadImage("unreadable file (permission denied)") from None
+    except FileNotFoundError:
+        raise BadImage("file not found (deleted, or a dangling symlink)") from None
+    except IsADirectoryError:
+        raise BadImage("is a folder, not an image file") from None
+    except OSError as e:
+        raise BadImage(f"unreadable file ({e.strerror or e})") from None
+
+
+def _work(task: tuple[str | None, np.ndarray | None, bool]) -> tuple[Encoded | None, str | None]:
+    path, pixels, want_stats = task
+    assert _OPTS is not None
+    try:
+        if pixels is not None:
+            return process_pixels(pixels, _OPTS, want_stats=want_stats), None
+        return process_bytes(_read(path or ""), _OPTS, want_stats=want_stats), None
+    except BadImage as e:
+        return None, str(e)
+    except Exception as e:  # one odd file must not end a long job; it is recorded instead
+        return None, f"unexpected {type(e).__name__} while decoding: {e}"
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """tqdm with images/s on a TTY, otherwise a log line every `every` seconds."""
+
+    def __init__(self, total: int, desc: str, every: float = 10.0) -> None:
+        self.total, self.desc, self.every = total, desc, every
+        self.n, self.t0 = 0, time.monotonic()
+        self.last = self.t0
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="img", smoothing=0.1)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        if self.n & 255:  # look at the clock every 256 images only
+            return
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            rate = self.n / max(now - self.t0, 1e-9)
+            eta = (self.total - self.n) / rate if rate > 0 else float("inf")
+            print(
+                f"{self.desc}: {self.n}/{self.total} images, {rate:.0f} img/s, ETA {eta:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------- output folder
+
+
+def fingerprint(source: Path, opts: ShardOptions) -> dict[str, Any]:
+    return {"source": str(source.resolve()), "options": opts.to_json()}
+
+
+def _check_output(out: Path, fp: dict[str, Any]) -> bool:
+    """Raise when OUT holds another shard set; return True when this set is already complete."""
+    if out.exists() and not out.is_dir():
+        raise JobError(f"{out}: exists and is not a folder; choose a folder for the shards")
+    if not out.exists():
+        return False
+    other = (
+        f"{out}: holds a different shard set (other source or options); "
+        "choose an empty OUT folder or delete this one"
+    )
+    manifest = out / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            made = json.loads(manifest.read_text(encoding="utf-8")).get("created_by", {})
+        except (ValueError, AttributeError):
+            raise JobError(f"{manifest}: unreadable manifest; delete {out} and rerun") from None
+        if {"source": made.get("source"), "options": made.get("options")} != fp:
+            raise JobError(other)
+        return True
+    plan = out / WORK / "plan.json"
+    if plan.is_file():
+        try:
+            if json.loads(plan.read_text(encoding="utf-8")) != fp:
+                raise JobError(other)
+        except ValueError:
+            raise JobError(f"{plan}: unreadable; delete {out / WORK} and rerun") from None
+    elif any(out.glob("*.tar")):
+        raise JobError(f"{out}: holds .tar files of no known shard set; choose an empty folder")
+    return False
+
+
+def prepare(source: Path, opts: ShardOptions) -> tuple[Listing, ShardOptions, list[Group]]:
+    """Enumerate the source, resolve --mode auto (L for IDX, RGB otherwise) and plan."""
+    listing = open_source(
+        source,
+        follow_symlinks=opts.follow_symlinks,
+        class_names=list(opts.class_names) if opts.class_names else None,
+        labels=opts.labels,
+    )
+    if opts.image.mode == "auto":
+        mode = "L" if listing.grayscale else "RGB"
+        opts = replace(opts, image=replace(opts.image, mode=mode))
+    return listing, opts, make_plan(listing, opts)
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def run_job(
+    source: Path,
+    out: Path,
+    opts: ShardOptions,
+    *,
+    workers: int = 1,
+    num_jobs: int = 1,
+    job_index: int = 0,
+    merge_only: bool = False,
+) -> Summary:
+    """Write this job's groups (skipping verified ones), then merge when it is the only job."""
+    if not 0 <= job_index < num_jobs:
+        raise JobError(f"--job-index {job_index} must be in [0, --num-jobs={num_jobs})")
+    listing, opts, groups = prepare(source, opts)
+    fp = fingerprint(source, opts)
+    if _check_output(out, fp):
+        return _already_done(out)
+    work = out / WORK
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "plan.json").is_file():
+        atomic_write_text(work / "plan.json", json.dumps(fp))
+    if merge_only:
+        return merge(source, out, opts, listing, groups)
+    mine = [g for i, g in enumerate(groups) if i % num_jobs == job_index]
+    todo: list[Group] = []
+    for g in mine:
+        rec = load_record(work, g.split, g.index)
+        if rec is None or not verify_record(work, rec, g.items_sha):
+            todo.append(g)
+    written = _write_groups(work, todo, opts, workers)
+    summary = Summary(0, 0, written, len(mine) - len(todo), merged=False)
+    if num_jobs == 1:
+        return merge(source, out, opts, listing, groups, reused=summary.reused_groups)
+    for g in mine:
+        rec = load_record(work, g.split, g.index)
+        if rec is not None:
+            summary.kept += rec.num_samples
+            summary.skipped += len(rec.errors)
+    return summary
+
+
+def _tasks(todo: list[Group]) -> Iterator[tuple[str | None, np.ndarray | None, bool]]:
+    for g in todo:
+        for it in g.items:
+            yield it.path, it.pixels, g.split == "train"
+
+
+def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: int) -> int:
+    total = sum(len(g.items) for g in todo)
+    if total == 0:
+        return len(todo)
+    progress = Progress(total, "make_shards")
+    pool = None
+    if workers > 1:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        pool = mp.get_context(method).Pool(workers, _init_worker, (opts.image,))
+        chunk = max(1, min(256, total // (workers * 16)))
+        results: Iterator = pool.imap(_work, _tasks(todo), chunksize=chunk)
+    else:
+        _init_worker(opts.image)
+        results = map(_work, _tasks(todo))
+    try:
+        for g in todo:
+            writer = GroupWriter(work, g.split, g.index, g.items_sha, opts.shard_bytes)
+            for it, key in zip(g.items, g.keys, strict=True):
+                enc, reason = next(results)
+                progress.update()
+                if enc is None:
+                    writer.errors.append({"source": it.rel, "reason": reason or "unknown"})
+                    continue
+                meta = sample_meta(it.rel, enc.original_size)
+                writer.add(sample_members(key, enc.ext, enc.data, it.label, meta), enc.size)
+                if enc.stats is not None:
+                    writer.add_stats(enc.stats)
+            writer.finish()
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return len(todo)
+
+
+# ----------------------------------------------------------------------------- merge
+
+
+def _mean_std(stats: list[dict[str, Any]], channels: int) -> tuple[list[float], list[float]]:
+    """Exact integer sums -> per-channel mean/std of pixel values scaled to [0, 1]."""
+    n = sum(s["pixels"] for s in stats)
+    if n == 0:
+        return [0.0] * channels, [1.0] * channels
+    sums = [sum(s["sums"][c] for s in stats) for c in range(channels)]
+    squares = [sum(s["squares"][c] for s in stats) for c in range(channels)]
+    mean = [round(sums[c] / n / 255.0, 6) for c in range(channels)]
+    # Var = (N*Q - S^2) / N^2, computed in integers so it is exact and order independent.
+    std = [
+        round(math.sqrt((n * squares[c] - sums[c] ** 2) / n**2) / 255.0, 6) for c in range(channels)
+    ]
+    return mean, std
+
+
+def merge(
+    source: Path,
+    out: Path,
+    opts: ShardOptions,
+    listing: Listing,
+    groups: list[Group],
+    *,
+    reused: int = 0,
+) -> Summary:
+    """Give every part its final name and write errors.jsonl and manifest.json (in that order)."""
+    work = out / WORK
+    records = []
+    for i, g in enumerate(groups):
+        rec = load_record(work, g.split, g.index)
+        if rec is None or not verify_record(work, rec, g.items_sha, hash_parts=False):
+            raise JobError(
+                f"{out}: group {g.split}-g{g.index:06d} is not written yet; run or rerun the job "
+                f"that owns it (--job-index = {i} mod --num-jobs) before --merge"
+            )
+        records.append(rec)
+    splits: dict[str, SplitInfo] = {}
+    counters: dict[str, int] = {}
+    errors = list(listing.errors)
+    sizes: set[tuple[int, ...]] = set()
+    mixed = False
+    for rec in records:
+        shards = splits.setdefault(rec.split, SplitInfo(0, [])).shards
+        for p in rec.parts:
+            name = f"{rec.split}-{counters.get(rec.split, 0):06d}.tar"
+            counters[rec.split] = counters.get(rec.split, 0) + 1
+            os.replace(work / p.name, out / name)
+            shards.append(ShardInfo(name, p.num_samples, p.bytes, p.sha256))
+        errors.extend(rec.errors)
+        mixed |= rec.mixed_sizes
+        if rec.image_size:
+            sizes.add(tuple(rec.image_size))
+    splits = {
+        k: SplitInfo(sum(s.num_samples for s in v.shards), v.shards) for k, v in splits.items()
+    }
+    channels = 1 if opts.image.mode == "L" else 3
+    train_stats = [r.stats for r in records if r.split == "train" and r.stats]
+    mean, std = _mean_std(train_stats, channels)
+    manifest = Manifest(
+        splits=splits,
+        class_names=listing.class_names,
+        channels=channels,
+        image_size=list(next(iter(sizes))) if len(sizes) == 1 and not mixed else None,
+        mean=mean,
+        std=std,
+        stats_split="train" if train_stats else None,
+        num_skipped=len(errors),
+        created_by={"tool": TOOL, "version": ssl_vit.__version__, **fingerprint(source, opts)},
+    )
+    atomic_write_text(out / ERRORS_NAME, "".join(json.dumps(e) + "\n" for e in errors))
+    write_manifest(out, manifest)  # the commit point: from here on the folder is a shard set
+    shutil.rmtree(work, ignore_errors=True)
+    kept = sum(s.num_samples for s in splits.values())
+    return Summary(kept, len(errors), len(groups) - reused, reused, merged=True)
+
+
+def _already_done(out: Path) -> Summary:
+    raw = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
+    kept = sum(s["num_samples"] for s in raw["splits"].values())
+    for split in raw["splits"].values():
+        for sh in split["shards"]:
+            path = out / sh["name"]
+            if not path.is_file() or path.stat().st_size != sh["bytes"]:
+                raise JobError(
+                    f"{path}: missing or resized although the manifest lists it; "
+                    "run data_prep/verify_shards.py, or delete the folder and rerun"
+                )
+    return Summary(kept, int(raw.get("num_skipped", 0)), 0, 0, merged=True, up_to_date=True)

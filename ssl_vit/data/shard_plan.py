@@ -1,0 +1,104 @@
+"""From a source listing to a deterministic plan: split, key, order and group of every item.
+
+Everything here is a pure function of the inputs' relative paths and the options, never of file
+system order, worker count or job count, which is what makes reruns, resumes and multi-machine
+jobs produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ssl_vit.data.imaging import ImageOptions
+from ssl_vit.data.sources import Item, Listing
+
+SPLIT_ORDER = ("train", "val", "test")
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """Every option that changes the bytes of the shard set (recorded in the manifest)."""
+
+    image: ImageOptions = field(default_factory=ImageOptions)
+    seed: int = 0
+    val_fraction: float = 0.0
+    test_fraction: float = 0.0
+    shard_size: int = 5000  # samples per shard (at most)
+    shard_bytes: int = 1 << 30  # bytes per shard (at most; one oversized sample still fits)
+    follow_symlinks: bool = False
+    labels: bool = True
+    class_names: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["class_names"] = list(self.class_names) if self.class_names else None
+        return body
+
+
+@dataclass
+class Group:
+    split: str
+    index: int  # within the split
+    items: list[Item]
+    keys: list[str]
+    items_sha: str
+
+
+def _unit(text: str, salt: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{salt}\0{text}".encode()).digest()[:8], "big")
+
+
+def assign_split(rel: str, fixed: str | None, val_fraction: float, test_fraction: float) -> str:
+    """A stable function of the relative path: adding files never moves existing ones.
+
+    Items whose source fixes the split (IDX files, split folders, a list's split column) keep it,
+    except that val/test fractions may carve a held-out part out of a fixed "train" split.
+    """
+    if fixed not in (None, "train"):
+        return fixed
+    if val_fraction == 0 and test_fraction == 0:
+        return fixed or "train"
+    u = _unit(rel, "ssl-vit-split") / 2**64  # uniform in [0, 1), independent of --seed
+    if u < test_fraction:
+        return "test"
+    if u < test_fraction + val_fraction:
+        return "val"
+    return "train"
+
+
+def make_key(rel: str) -> str:
+    """A WebDataset-safe key: no dots or slashes; readable stem plus a hash for uniqueness."""
+    stem = rel.rsplit(".", 1)[0] if "." in rel.rsplit("/", 1)[-1] else rel
+    readable = _KEY_UNSAFE.sub("_", stem).strip("_")[-48:].lstrip("_-")
+    digest = hashlib.sha1(rel.encode()).hexdigest()[:10]
+    return f"{readable}_{digest}" if readable else digest
+
+
+def make_plan(listing: Listing, opts: ShardOptions) -> list[Group]:
+    """Groups of at most `shard_size` items per split, in a seeded shuffled order."""
+    by_split: dict[str, list[tuple[int, str, Item]]] = {}
+    for it in listing.items:
+        split = assign_split(it.rel, it.split, opts.val_fraction, opts.test_fraction)
+        # Seeded shuffle as a sort by a keyed hash: stable when files are added elsewhere.
+        by_split.setdefault(split, []).append((_unit(it.rel, f"order{opts.seed}"), it.rel, it))
+    names = [s for s in SPLIT_ORDER if s in by_split] + sorted(set(by_split) - set(SPLIT_ORDER))
+    groups: list[Group] = []
+    seen: dict[str, str] = {}
+    for split in names:
+        ordered = [it for _, _, it in sorted(by_split[split], key=lambda t: (t[0], t[1]))]
+        for gi, start in enumerate(range(0, len(ordered), opts.shard_size)):
+            chunk = ordered[start : start + opts.shard_size]
+            keys = [it.key or make_key(it.rel) for it in chunk]
+            for k, it in zip(keys, chunk, strict=True):
+                if k in seen:
+                    raise ValueError(f"{it.rel}: key {k} collides with {seen[k]}; rename one file")
+                seen[k] = it.rel
+            h = hashlib.sha256()
+            for k, it in zip(keys, chunk, strict=True):
+                h.update(f"{k}\0{it.rel}\0{it.label}\0".encode())
+            groups.append(Group(split, gi, chunk, keys, h.hexdigest()))
+    return groups

@@ -1,0 +1,122 @@
+"""Check a shard set against its manifest: checksums, sizes, sample counts, a decoded sample."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from ssl_vit.data.manifest import ERRORS_NAME, Manifest, ManifestError, load_manifest, sha256_file
+
+_IMAGE_EXTS = ("png", "jpg", "webp")
+
+
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)  # any entry means the set is not trustworthy
+    warnings: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)  # the human summary
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[str]:
+    """Count samples (keys) and decode the first image; return problems."""
+    problems: list[str] = []
+    keys: dict[str, list[str]] = {}
+    first: tuple[str, bytes] | None = None
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                base = member.name.rsplit("/", 1)[-1]
+                key, _, ext = base.partition(".")
+                keys.setdefault(key, []).append(ext)
+                if ext == "cls" and m.class_names is not None:
+                    label = int(tar.extractfile(member).read())  # type: ignore[union-attr]
+                    if not 0 <= label < len(m.class_names):
+                        problems.append(f"{path.name}: {key}.cls = {label} is not a class index")
+                if first is None and ext in _IMAGE_EXTS:
+                    first = (member.name, tar.extractfile(member).read())  # type: ignore[union-attr]
+    except (tarfile.TarError, OSError, ValueError) as e:
+        return [f"{path.name}: unreadable tar ({e})"]
+    if len(keys) != expected:
+        problems.append(f"{path.name}: {len(keys)} samples, manifest says {expected}")
+    bad = [k for k, exts in keys.items() if sum(e in _IMAGE_EXTS for e in exts) != 1]
+    if bad:
+        problems.append(f"{path.name}: sample {bad[0]} has no single image ({len(bad)} such)")
+    if decode and first is not None:
+        try:
+            with Image.open(io.BytesIO(first[1])) as img:
+                img.load()
+                channels = len(img.getbands())
+                size = [img.height, img.width]
+        except Exception as e:  # any decode failure is a finding, not a crash
+            return problems + [f"{path.name}: {first[0]} does not decode ({e})"]
+        if channels != m.channels:
+            problems.append(f"{path.name}: {first[0]} has {channels} channels, not {m.channels}")
+        if m.image_size is not None and size != list(m.image_size):
+            problems.append(f"{path.name}: {first[0]} is {size}, manifest says {m.image_size}")
+    return problems
+
+
+def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
+    report = VerifyReport()
+    root = Path(root)
+    try:
+        m = load_manifest(root)
+    except ManifestError as e:
+        report.problems.append(str(e))
+        return report
+    listed: set[str] = set()
+    for split, info in m.splits.items():
+        total_bytes = 0
+        for sh in info.shards:
+            listed.add(sh.name)
+            path = root / sh.name
+            total_bytes += sh.bytes
+            if not path.is_file():
+                report.problems.append(f"{sh.name}: missing")
+                continue
+            if path.stat().st_size != sh.bytes:
+                report.problems.append(
+                    f"{sh.name}: {path.stat().st_size} bytes, manifest says {sh.bytes}"
+                )
+                continue
+            if sha256_file(path) != sh.sha256:
+                report.problems.append(f"{sh.name}: sha256 differs from the manifest")
+                continue
+            report.problems.extend(_check_shard(path, m, sh.num_samples, decode))
+        report.lines.append(
+            f"{split:>6}: {info.num_samples} samples in {len(info.shards)} shards, "
+            f"{total_bytes / 1e6:.1f} MB"
+        )
+    errors = root / ERRORS_NAME
+    if errors.is_file():
+        lines = [ln for ln in errors.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        try:
+            [json.loads(ln) for ln in lines]
+        except ValueError:
+            report.problems.append(f"{ERRORS_NAME}: not valid JSON lines")
+        if len(lines) != m.num_skipped:
+            report.problems.append(
+                f"{ERRORS_NAME}: {len(lines)} lines, manifest says {m.num_skipped} skipped"
+            )
+    elif m.num_skipped:
+        report.problems.append(f"{ERRORS_NAME}: missing ({m.num_skipped} skipped inputs)")
+    stray = sorted(p.name for p in root.glob("*.tar") if p.name not in listed)
+    if stray:
+        report.warnings.append(f"{len(stray)} .tar files not in the manifest (e.g. {stray[0]})")
+    if (root / ".work").exists():
+        report.warnings.append(".work/ left by an unfinished job (safe to delete)")
+    classes = "unlabelled" if m.class_names is None else f"{len(m.class_names)} classes"
+    report.lines.append(
+        f"{classes}, {m.channels} channel(s), image size {m.image_size or 'mixed'}, "
+        f"mean {m.mean}, std {m.std}, {m.num_skipped} skipped inputs"
+    )
+    return report

@@ -1,0 +1,353 @@
+"""Enumerate a corpus into `Item`s: image folders, list files and IDX (MNIST-format) datasets.
+
+Enumeration never decodes images; it only finds what to shard. Problems that are visible without
+reading pixels (dangling symlinks, symlinks leaving the source folder, duplicate list entries) are
+returned as error records so the job can skip them and keep going.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm"}
+)
+LIST_EXTENSIONS = (".txt", ".csv", ".jsonl")
+# Folder layouts with these top-level names keep their own split (ImageNet-style train/val).
+SPLIT_FOLDERS = {
+    "train": "train",
+    "val": "val",
+    "valid": "val",
+    "validation": "val",
+    "test": "test",
+}
+
+FASHION_MNIST_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+MNIST_CLASSES = [str(i) for i in range(10)]
+# md5 of the *decompressed* Fashion-MNIST label files (gzip bytes differ between mirrors).
+_FASHION_LABEL_MD5 = {"9018921c3c673c538a1fc5bad174d6f9", "15d484375f8d13e6eb1aabb0c3f46965"}
+
+
+class SourceError(ValueError):
+    """The source as a whole is unusable (missing, unknown kind, malformed list or IDX file)."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input image. `rel` identifies it (key, split hash); exactly one of path/pixels is set."""
+
+    rel: str
+    label: int | None
+    path: str | None = None  # absolute file path to read
+    pixels: np.ndarray | None = field(default=None, compare=False)  # (H, W) uint8 for IDX
+    split: str | None = None  # fixed by the source (IDX files, split folders, list column)
+    key: str | None = None  # a readable key the source guarantees unique (IDX: "train_000123")
+
+
+@dataclass
+class Listing:
+    kind: str  # "folder" | "list" | "idx"
+    items: list[Item]
+    errors: list[dict[str, str]]
+    class_names: list[str] | None
+    grayscale: bool  # True when the source is known to be single-channel (IDX)
+
+
+def _err(rel: str, reason: str) -> dict[str, str]:
+    return {"source": rel, "reason": reason}
+
+
+def open_source(
+    source: str | os.PathLike,
+    *,
+    follow_symlinks: bool = False,
+    class_names: list[str] | None = None,
+    labels: bool = True,
+) -> Listing:
+    """Detect the source kind and enumerate it (see make_shards.py --help for the layouts)."""
+    src = Path(source)
+    if not src.exists():
+        raise SourceError(
+            f"{src}: source not found; give an image folder, a list file or an IDX folder"
+        )
+    if src.is_file():
+        if src.suffix.lower() not in LIST_EXTENSIONS:
+            raise SourceError(
+                f"{src}: a file source must be a list file ({', '.join(LIST_EXTENSIONS)})"
+            )
+        listing = _list_file(src)
+    elif _idx_pairs(src):
+        listing = _idx_folder(src)
+    else:
+        listing = _image_folder(src, follow_symlinks=follow_symlinks)
+    if class_names is not None:
+        if listing.class_names is not None and len(class_names) != len(listing.class_names):
+            raise SourceError(
+                f"{src}: --class-names gives {len(class_names)} names but the source has "
+                f"{len(listing.class_names)} classes"
+            )
+        top = max((it.label for it in listing.items if it.label is not None), default=-1)
+        if top >= len(class_names):
+            raise SourceError(
+                f"{src}: label {top} is out of range for {len(class_names)} class names"
+            )
+        listing.class_names = list(class_names)
+    if not labels:
+        listing.items = [
+            Item(it.rel, None, it.path, it.pixels, it.split, it.key) for it in listing.items
+        ]
+        listing.class_names = None
+    return listing
+
+
+# ----------------------------------------------------------------------------- image folders
+
+
+def _image_folder(root: Path, *, follow_symlinks: bool) -> Listing:
+    root_real = root.resolve()
+    errors: list[dict[str, str]] = []
+    subdirs = sorted(e.name for e in os.scandir(root) if _is_dir(e) and not e.name.startswith("."))
+    split_layout = bool(subdirs) and all(d.lower() in SPLIT_FOLDERS for d in subdirs)
+    tops = [(d, SPLIT_FOLDERS[d.lower()]) for d in subdirs] if split_layout else [("", None)]
+    # Class folders are the sorted union of second-level folder names over every split.
+    groups: list[tuple[str, str | None, list[str]]] = []
+    for top, split in tops:
+        files = _walk(root, top, root_real, follow_symlinks, errors)
+        groups.append((top, split, files))
+    class_set: set[str] = set()
+    flat = True
+    for top, _, files in groups:
+        for rel in files:
+            inner = rel[len(top) + 1 :] if top else rel
+            if "/" in inner:
+                flat = False
+                class_set.add(inner.split("/", 1)[0])
+    names = None if flat else sorted(class_set)
+    index = {n: i for i, n in enumerate(names or [])}
+    items: list[Item] = []
+    for top, split, files in groups:
+        for rel in files:
+            inner = rel[len(top) + 1 :] if top else rel
+            label = None
+            if names is not None:
+                if "/" not in inner:
+                    errors.append(_err(rel, "file beside the class folders has no class; move it"))
+                    continue
+                label = index[inner.split("/", 1)[0]]
+            items.append(Item(rel, label, str(root / rel), split=split))
+    return Listing("folder", items, errors, names, grayscale=False)
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _walk(
+    root: Path, top: str, root_real: Path, follow: bool, errors: list[dict[str, str]]
+) -> list[str]:
+    """Relative posix paths of image files under root/top, in sorted order."""
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def visit(rel_dir: str) -> None:
+        path = root / rel_dir if rel_dir else root
+        real = os.path.realpath(path)
+        if real in seen:  # a followed symlink loop
+            return
+        seen.add(real)
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as e:
+            errors.append(_err(rel_dir or ".", f"unreadable folder ({e.strerror})"))
+            return
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            rel = f"{rel_dir}/{e.name}" if rel_dir else e.name
+            if e.is_symlink():
+                target = Path(os.path.realpath(e.path))
+                if not target.exists():
+                    if Path(e.name).suffix.lower() in IMAGE_EXTENSIONS:
+                        errors.append(_err(rel, "dangling symlink (its target does not exist)"))
+                    continue
+                if not follow and not target.is_relative_to(root_real):
+                    errors.append(
+                        _err(
+                            rel,
+                            "symlink points outside the source folder; "
+                            "pass --follow-symlinks to include it",
+                        )
+                    )
+                    continue
+            if _is_dir(e):
+                visit(rel)
+            elif Path(e.name).suffix.lower() in IMAGE_EXTENSIONS:
+                out.append(rel)
+
+    visit(top)
+    return out
+
+
+# ----------------------------------------------------------------------------- list files
+
+
+def _list_file(path: Path) -> Listing:
+    """Rows of (path, optional label, optional split); paths are relative to the list's folder."""
+    rows: list[tuple[str, str | int | None, str | None]] = []
+    text = path.read_text(encoding="utf-8-sig")
+    ext = path.suffix.lower()
+    if ext == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                rows.append((str(obj["path"]), obj.get("label"), obj.get("split")))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SourceError(
+                    f'{path}:{n}: expected a JSON object with "path" (and optional "label", '
+                    '"split")'
+                ) from None
+    elif ext == ".csv":
+        table = [r for r in csv.reader(text.splitlines()) if r and any(c.strip() for c in r)]
+        header = [c.strip().lower() for c in table[0]] if table else []
+        if "path" in header:
+            col = {
+                name: header.index(name) for name in ("path", "label", "split") if name in header
+            }
+            table = table[1:]
+        else:
+            col = {"path": 0, "label": 1}
+        for r in table:
+            cell = {k: r[i].strip() for k, i in col.items() if i < len(r)}
+            rows.append((cell.get("path", ""), cell.get("label") or None, cell.get("split") or None))
+    else:  # .txt: "path" or "path<TAB>label"; without a tab, a last blank-separated token is the label
+        for line in text.splitlines():
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split("\t") if "\t" in line else line.rsplit(None, 1)
+            rows.append((parts[0].strip(), parts[1].strip() if len(parts) > 1 else None, None))
+    labels = [lab for _, lab, _ in rows if lab is not None and lab != ""]
+    numeric = all(
+        isinstance(x, int) or (isinstance(x, str) and x.lstrip("-").isdigit()) for x in labels
+    )
+    names: list[str] | None
+    if not labels:
+        names = None
+    elif numeric:
+        top = max(int(x) for x in labels)
+        if min(int(x) for x in labels) < 0:
+            raise SourceError(f"{path}: labels must be non-negative integers or class names")
+        names = [str(i) for i in range(top + 1)]
+    else:
+        names = sorted({str(x) for x in labels})
+    index = {n: i for i, n in enumerate(names or [])}
+    base = path.parent
+    items: list[Item] = []
+    errors: list[dict[str, str]] = []
+    seen: set[str] = set()
+    for p, lab, split in rows:
+        rel = Path(p).as_posix()
+        if not p:
+            continue
+        if rel in seen:
+            errors.append(_err(rel, "duplicate entry in the list file; kept the first one"))
+            continue
+        seen.add(rel)
+        if split is not None and split.lower() not in SPLIT_FOLDERS:
+            raise SourceError(f"{path}: {rel}: split {split!r} is not train/val/test")
+        full = Path(p) if Path(p).is_absolute() else base / p
+        if full.is_symlink() and not full.exists():
+            errors.append(_err(rel, "dangling symlink (its target does not exist)"))
+            continue
+        label = None if lab is None or lab == "" else (int(lab) if numeric else index[str(lab)])
+        fixed = SPLIT_FOLDERS[split.lower()] if split else None
+        items.append(Item(rel, label, str(full), split=fixed))
+    return Listing("list", items, errors, names, grayscale=False)
+
+
+# ----------------------------------------------------------------------------- IDX datasets
+
+
+def _idx_pairs(folder: Path) -> dict[str, tuple[Path, Path | None]]:
+    """{split: (images, labels)} for `{train,t10k,test}-images-idx3-ubyte[.gz]` files."""
+    if not folder.is_dir():
+        return {}
+    pairs: dict[str, tuple[Path, Path | None]] = {}
+    for f in sorted(folder.iterdir()):
+        name = f.name.removesuffix(".gz")
+        if not name.endswith("-images-idx3-ubyte"):
+            continue
+        prefix = name.removesuffix("-images-idx3-ubyte")
+        split = {"train": "train", "t10k": "test", "test": "test"}.get(prefix, prefix)
+        lab = [folder / f"{prefix}-labels-idx1-ubyte{gz}" for gz in ("", ".gz")]
+        pairs[split] = (f, next((p for p in lab if p.exists()), None))
+    return pairs
+
+
+def _read_idx(path: Path, ndim: int) -> tuple[np.ndarray, bytes]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise SourceError(f"{path}: cannot read IDX file ({e})") from None
+    magic = 0x0800 + ndim
+    if len(raw) < 4 + 4 * ndim or int.from_bytes(raw[:4], "big") != magic:
+        raise SourceError(f"{path}: not an unsigned-byte IDX file with {ndim} dimensions")
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    body = raw[4 + 4 * ndim :]
+    if len(body) != int(np.prod(dims)):
+        raise SourceError(f"{path}: truncated IDX file (header says {dims}, got {len(body)} bytes)")
+    return np.frombuffer(body, dtype=np.uint8).reshape(dims), body
+
+
+def _idx_folder(folder: Path) -> Listing:
+    items: list[Item] = []
+    recognised_fashion = "fashion" in folder.resolve().as_posix().lower()
+    has_labels = True
+    for split, (img_path, lab_path) in sorted(_idx_pairs(folder).items()):
+        images, _ = _read_idx(img_path, 3)  # (N, H, W)
+        labels = None
+        if lab_path is None:
+            has_labels = False
+        else:
+            labels, body = _read_idx(lab_path, 1)  # (N,)
+            if len(labels) != len(images):
+                raise SourceError(f"{lab_path}: {len(labels)} labels for {len(images)} images")
+            recognised_fashion |= hashlib.md5(body).hexdigest() in _FASHION_LABEL_MD5
+        for i in range(len(images)):
+            rel = f"{img_path.name}#{i}"
+            lab = None if labels is None else int(labels[i])
+            items.append(Item(rel, lab, pixels=images[i], split=split, key=f"{split}_{i:06d}"))
+    names = None
+    if has_labels:
+        top = max((it.label for it in items if it.label is not None), default=-1) + 1
+        names = FASHION_MNIST_CLASSES if recognised_fashion else MNIST_CLASSES
+        if top > len(names):
+            names = [str(i) for i in range(top)]
+        names = list(names)
+    return Listing("idx", items, [], names, grayscale=True)
