@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
-import mlflow
 import numpy as np
 import torch
 
 from ssl_vit.data.manifest import check_shards_exist, load_manifest
 from ssl_vit.data.stream import make_eval_loader
 from ssl_vit.inspect import inspect_model
-from ssl_vit.models import build_backbone, load_backbone
+from ssl_vit.models import build_backbone, load_backbone, token_geometry
 from ssl_vit.objectives import MaskedPatchPrediction
+from ssl_vit.tracking import Tracker
 
 log = logging.getLogger("inspect_vit")
 
@@ -123,7 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
             parent_run = run_id_file.read_text(encoding="utf-8").strip() or None
         parent_run = parent_run or meta.get("mlflow_run_id")
         if not args.no_mpp:
-            mpp = load_mpp_objective(args.backbone, model, mean, std)
+            try:
+                mpp = load_mpp_objective(args.backbone, model, mean, std)
+            except (ValueError, RuntimeError) as e:  # an unreadable config or checkpoint
+                log.warning("%s: no MPP panel (%s)", args.backbone, e)
     else:
         size = args.img_size or (manifest.image_size[0] if manifest.image_size else None)
         if size is None:
@@ -134,12 +136,13 @@ def main(argv: list[str] | None = None) -> dict:
         mean, std, name = manifest.mean, manifest.std, f"{args.random_init} (random init)"
         if not args.no_mpp:  # an untrained head: the chance-level baseline of the MPP panel
             mpp = MaskedPatchPrediction(model, mean=mean, std=std)
-    in_chans = int(model.patch_embed.proj.in_channels) if hasattr(model, "patch_embed") else None
-    if in_chans is not None and in_chans != manifest.channels:
+    geo = token_geometry(model)
+    if geo.in_chans != manifest.channels:
         raise SystemExit(
-            f"{args.data}: images have {manifest.channels} channels, the backbone takes {in_chans}"
+            f"{args.data}: images have {manifest.channels} channels, the backbone takes "
+            f"{geo.in_chans}; pick a matching shard set or backbone"
         )
-    size = int(model.patch_embed.img_size[0] if hasattr(model, "patch_embed") else args.img_size)
+    size = geo.img_size[0]
     model.to(args.device)
     if mpp is not None:
         mpp.to(args.device)
@@ -157,18 +160,21 @@ def main(argv: list[str] | None = None) -> dict:
         mpp=mpp,
         seed=args.seed,
     )
-    if not args.no_mlflow:
-        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
-        mlflow.set_experiment(args.experiment)
+    if not args.no_mlflow:  # $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
         tags = {"ssl_vit.job": "inspect_vit", "ssl_vit.backbone": name}
         if parent_run:
             tags["ssl_vit.pretrain_run_id"] = parent_run
-        with mlflow.start_run(run_name=f"inspect {name}", tags=tags):
-            mlflow.log_params({"data": str(args.data), "split": args.split})
-            mlflow.log_param("num_images", summary["num_images"])
+        with Tracker(
+            enabled=True, experiment=args.experiment, run_name=f"inspect {name}", tags=tags,
+            spool_dir=args.out / ".mlflow-spool", system_metrics=False,
+        ) as tracker:  # fmt: skip
+            tracker.log_params(
+                {"data": str(args.data), "split": args.split, "num_images": summary["num_images"]}
+            )
             for layer, heads in enumerate(summary.get("mean_attention_distance_px", [])):
-                mlflow.log_metric("mean_attention_distance_px", float(np.mean(heads)), step=layer)
-            mlflow.log_artifacts(str(args.out), artifact_path="inspect")
+                tracker.log_metrics({"mean_attention_distance_px": float(np.mean(heads))}, layer)
+            for path in [*summary["pngs"].values(), args.out / "inspect.json"]:
+                tracker.log_artifact(path, artifact_path="inspect")
     log.info("wrote %s", ", ".join(sorted(summary["pngs"].values())))
     return summary
 
