@@ -70,6 +70,7 @@ class Listing:
     errors: list[dict[str, str]]
     class_names: list[str] | None
     grayscale: bool  # True when the source is known to be single-channel (IDX)
+    numeric_labels: bool = False  # labels were integers (IDX, list files): any names may fit
 
 
 def _err(rel: str, reason: str) -> dict[str, str]:
@@ -100,7 +101,8 @@ def open_source(
     else:
         listing = _image_folder(src, follow_symlinks=follow_symlinks)
     if class_names is not None:
-        if listing.class_names is not None and len(class_names) != len(listing.class_names):
+        named = listing.class_names is not None and not listing.numeric_labels
+        if named and len(class_names) != len(listing.class_names or []):
             raise SourceError(
                 f"{src}: --class-names gives {len(class_names)} names but the source has "
                 f"{len(listing.class_names)} classes"
@@ -242,8 +244,8 @@ def _list_file(path: Path) -> Listing:
             col = {"path": 0, "label": 1}
         for r in table:
             cell = {k: r[i].strip() for k, i in col.items() if i < len(r)}
-            rows.append((cell.get("path", ""), cell.get("label") or None, cell.get("split") or None))
-    else:  # .txt: "path" or "path<TAB>label"; without a tab, a last blank-separated token is the label
+            rows.append((cell.get("path", ""), cell.get("label"), cell.get("split") or None))
+    else:  # .txt: "path" or "path<TAB>label" (without a tab, a last blank-separated token is one)
         for line in text.splitlines():
             line = line.strip()
             if not line or line.startswith("#"):
@@ -286,7 +288,7 @@ def _list_file(path: Path) -> Listing:
         label = None if lab is None or lab == "" else (int(lab) if numeric else index[str(lab)])
         fixed = SPLIT_FOLDERS[split.lower()] if split else None
         items.append(Item(rel, label, str(full), split=fixed))
-    return Listing("list", items, errors, names, grayscale=False)
+    return Listing("list", items, errors, names, grayscale=False, numeric_labels=numeric)
 
 
 # ----------------------------------------------------------------------------- IDX datasets
@@ -350,4 +352,4 @@ def _idx_folder(folder: Path) -> Listing:
         if top > len(names):
             names = [str(i) for i in range(top)]
         names = list(names)
-    return Listing("idx", items, [], names, grayscale=True)
+    return Listing("idx", items, [], names, grayscale=True, numeric_labels=True)
