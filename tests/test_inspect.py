@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
 import json
 import subprocess
@@ -30,7 +31,7 @@ from ssl_vit.inspect import (
     position_similarity,
     record_attention,
 )
-from ssl_vit.models import build_backbone, export_backbone
+from ssl_vit.models import build_backbone, export_backbone, load_backbone
 from ssl_vit.objectives import MaskedPatchPrediction
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +228,14 @@ def test_cli_random_init_writes_pngs(tmp_path):
     assert not list(out.glob(".*tmp*"))  # no temporary files left behind
 
 
-def test_cli_run_dir_logs_to_mlflow_tagged_with_pretraining_run(tmp_path):
+def load_cli():
+    spec = importlib.util.spec_from_file_location("inspect_vit", REPO / "evals/inspect_vit.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def test_cli_run_dir_logs_to_mlflow_tagged_with_pretraining_run(tmp_path, monkeypatch):
     write_shards(tmp_path / "shards")
     run_dir = tmp_path / "run"
     kwargs = {"img_size": 28, "in_chans": 1, "patch_size": 4, "depth": 2}
@@ -237,10 +245,10 @@ def test_cli_run_dir_logs_to_mlflow_tagged_with_pretraining_run(tmp_path):
     )
     (run_dir / "mlflow_run_id").write_text("pretrain123\n")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    run_cli(
-        "--backbone", str(run_dir), "--data", str(tmp_path / "shards"),
-        "--out", str(tmp_path / "out"), "--num-images", "4", "--num-show", "2",
-        env_uri=uri,
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    load_cli().main(
+        ["--backbone", str(run_dir), "--data", str(tmp_path / "shards"),
+         "--out", str(tmp_path / "out"), "--num-images", "4", "--num-show", "2"]
     )  # fmt: skip
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("inspect")
@@ -262,7 +270,7 @@ from safetensors.torch import save_file
 
 from ssl_vit.config import Config, save_config
 from ssl_vit.engine import checkpoint
-from ssl_vit.models import build_backbone, export_backbone
+from ssl_vit.models import build_backbone, export_backbone, load_backbone
 from ssl_vit.objectives import MaskedPatchPrediction
 
 run = Path(sys.argv[1])
@@ -289,8 +297,6 @@ save_file(ref, str(run / "reference_head.safetensors"))
 
 @pytest.mark.slow
 def test_mpp_head_is_read_from_a_real_deepspeed_checkpoint(tmp_path):
-    import importlib.util
-
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
@@ -312,13 +318,8 @@ def test_mpp_head_is_read_from_a_real_deepspeed_checkpoint(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    spec = importlib.util.spec_from_file_location("inspect_vit", REPO / "evals/inspect_vit.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    from ssl_vit.models import load_backbone
-
     model, meta = load_backbone(run)
-    objective = cli.load_mpp_objective(run, model, meta["mean"], meta["std"])
+    objective = load_cli().load_mpp_objective(run, model, meta["mean"], meta["std"])
     assert objective is not None
     got = objective.state_dict()
     for k, v in load_file(str(run / "reference_head.safetensors")).items():
