@@ -1,7 +1,9 @@
 """Decoding and the paper's augmentation, on uint8 tensors.
 
 The ViT paper pretrains MPP with "the classification one" (appendix B.1.2): an Inception-style
-random resized crop plus a random horizontal flip. Both run here on uint8 (C, H, W) tensors;
+random resized crop plus a random horizontal flip. Both run on the decoded uint8 PIL image
+(PIL's box resize is antialiased, as torchvision's `antialias=True` is, and several times
+faster than torch kernels on small images); batches leave as uint8 (B, C, H, W) tensors, and
 normalisation with the manifest's mean/std happens later, on the device, inside the objective.
 
 Randomness comes from an explicit `random.Random` per sample (never torch's global RNG), so a
@@ -20,10 +22,10 @@ import warnings
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
+_FORMATS = ("PNG", "JPEG", "WEBP")  # what data_prep writes; nothing else is parsed
 
 
 class CorruptSample(ValueError):
@@ -36,9 +38,7 @@ def mix_seed(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
-def decode_sample(
-    sample: dict, *, channels: int, labelled: bool
-) -> tuple[torch.Tensor, int]:  # (C, H, W) uint8, label
+def decode_sample(sample: dict, *, channels: int, labelled: bool) -> tuple[Image.Image, int]:
     """Decode a raw webdataset sample dict; raise CorruptSample saying what is wrong."""
     key = sample.get("__key__", "?")
     data = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
@@ -48,9 +48,8 @@ def decode_sample(
         with warnings.catch_warnings():
             # A decompression bomb is refused, not decoded (PIL warns below its hard limit).
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
-                img = img.convert("L" if channels == 1 else "RGB")
-                arr = np.asarray(img)
+            with Image.open(io.BytesIO(data), formats=_FORMATS) as raw:
+                img = raw.convert("L" if channels == 1 else "RGB")
     except Exception as e:  # PIL raises many types for bad data
         raise CorruptSample(f"{key}: undecodable image ({type(e).__name__}: {e})") from None
     if "cls" in sample:
@@ -62,9 +61,7 @@ def decode_sample(
         raise CorruptSample(f"{key}: no .cls in a labelled shard set")
     else:
         label = -1
-    t = torch.from_numpy(arr.copy())
-    t = t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1)  # (C, H, W)
-    return t.contiguous(), label
+    return img, label
 
 
 def crop_params(
@@ -96,27 +93,33 @@ def crop_params(
 
 
 def train_transform(
-    img: torch.Tensor,
+    img: Image.Image,
     rng: random.Random,
     size: int,
     *,
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     hflip: bool = True,
-) -> torch.Tensor:  # (C, size, size) uint8
+) -> np.ndarray:  # (size, size) or (size, size, 3) uint8
     """Random resized crop to size x size, then a horizontal flip with probability 1/2."""
-    top, left, h, w = crop_params(img.shape[-2], img.shape[-1], rng, scale, ratio)
-    out = TF.resized_crop(img, top, left, h, w, [size, size], antialias=True)
+    top, left, h, w = crop_params(img.height, img.width, rng, scale, ratio)
+    out = img.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
     if hflip and rng.random() < 0.5:
-        out = out.flip(-1)
-    return out
+        out = out.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(out)
 
 
-def eval_transform(img: torch.Tensor, size: int) -> torch.Tensor:  # (C, size, size) uint8
+def eval_transform(img: Image.Image, size: int) -> np.ndarray:  # (size, size[, 3]) uint8
     """Resize the shorter side to `size` and centre-crop a square; a no-op at the right size."""
-    h, w = img.shape[-2:]
-    if h == size and w == size:
-        return img
-    if min(h, w) != size:
-        img = TF.resize(img, [size], antialias=True)
-    return TF.center_crop(img, [size, size])
+    w, h = img.size
+    if (h, w) != (size, size):
+        side = min(h, w)  # the central square, resized: same as resize-shorter + centre crop
+        top, left = (h - side) // 2, (w - side) // 2
+        img = img.resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side))
+    return np.asarray(img)
+
+
+def to_batch(arrays: list[np.ndarray]) -> torch.Tensor:  # (B, C, H, W) uint8
+    """Stack HxW (grayscale) or HxWx3 (RGB) uint8 arrays into one channels-first tensor."""
+    x = torch.from_numpy(np.stack(arrays))  # (B, H, W) or (B, H, W, 3)
+    return x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2).contiguous()

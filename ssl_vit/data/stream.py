@@ -53,11 +53,20 @@ from itertools import count
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import webdataset as wds
+from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .augment import CorruptSample, decode_sample, eval_transform, mix_seed, train_transform
+from .augment import (
+    CorruptSample,
+    decode_sample,
+    eval_transform,
+    mix_seed,
+    to_batch,
+    train_transform,
+)
 from .manifest import Manifest, ManifestError, check_shards_exist, load_manifest
 
 log = logging.getLogger(__name__)
@@ -231,7 +240,7 @@ class TrainStream(IterableDataset):
             next(src)
             pos += 1
         for _ in range(n_total - n_skip):
-            imgs: list[torch.Tensor] = []
+            imgs: list[np.ndarray] = []
             labels: list[int] = []
             for _chunk in range(100):
                 for _ in range(self.batch):
@@ -255,9 +264,9 @@ class TrainStream(IterableDataset):
             for i in range(self.batch - len(imgs)):  # fill corrupt places from the same batch
                 imgs.append(imgs[i])
                 labels.append(labels[i])
-            yield torch.stack(imgs), torch.tensor(labels, dtype=torch.int64)
+            yield to_batch(imgs), torch.tensor(labels, dtype=torch.int64)
 
-    def _transform(self, img: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    def _transform(self, img: Image.Image, rng: random.Random) -> np.ndarray:
         if not self.augment:
             return eval_transform(img, self.img_size)
         return train_transform(img, rng, self.img_size, scale=self.scale, hflip=self.hflip)
@@ -298,7 +307,7 @@ class EvalStream(IterableDataset):
                 pending = next(samples, None)
             # An empty batch is still sent (and dropped by the loader) to keep worker order.
             images = (
-                torch.stack(imgs)
+                to_batch(imgs)
                 if imgs
                 else torch.empty(
                     (0, self.channels, self.img_size, self.img_size), dtype=torch.uint8
