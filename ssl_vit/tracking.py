@@ -23,8 +23,10 @@ on a queue. A background thread sends the events. When the store cannot be reach
 them to `spool_dir/<run>.jsonl` (one JSON event a line, small artifacts copied beside it),
 retries every `retry_interval` seconds, and on reconnecting replays the spool and renames it
 `*.done-<time>`. What is still spooled when the process ends is pushed later by the replay
-command above (it creates the run if it never existed). Requests the store rejects (e.g. a
-changed param value) are not retried: a warning, and the event goes to `spool_dir/rejected.jsonl`.
+command above (it creates the run if it never existed). Requests the store rejects with a
+client error (e.g. a changed param value) are not retried: a warning, and the event goes to
+`spool_dir/rejected.jsonl`. Any other failure (refused, timeout, 5xx, locked SQLite) is an
+outage: spool and retry.
 
 Resume without duplicates: pass the run_id saved in the run directory. Per metric key, steps
 must increase; a step at or below the last one already stored (read from the run when the
@@ -197,14 +199,25 @@ class _Spool:
                 f.write(json.dumps({**ev, "error": str(err)[:500]}) + "\n")
 
 
+# Error codes meaning "the store refuses this event" (retrying cannot help). Anything else
+# (connection refused, timeout, 5xx, a locked SQLite file) counts as an outage: spool and retry.
+_REJECTED = {
+    "INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS",
+    "INVALID_STATE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED",
+}  # fmt: skip
+
+
 def _send_or_raise(store: _Store, run_id: str, ev: dict, spool: _Spool) -> None:
-    """Send; an unreachable store raises _Unreachable, a rejection goes to rejected.jsonl."""
+    """Send; an outage raises _Unreachable, a rejection goes to rejected.jsonl."""
+    from mlflow.exceptions import MlflowException
+
     try:
         store.send(run_id, ev)
     except Exception as e:
-        if not store.reachable():
-            raise _Unreachable(str(e)) from None
-        spool.reject(ev, e)
+        if isinstance(e, MlflowException) and e.error_code in _REJECTED and store.reachable():
+            spool.reject(ev, e)
+        else:
+            raise _Unreachable(f"{type(e).__name__}: {str(e)[:300]}") from None
 
 
 def replay_file(

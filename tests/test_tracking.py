@@ -83,6 +83,7 @@ def test_sqlite_store_and_resume_without_duplicates(
         system_metrics=False,
     ) as second:  # fmt: skip
         assert second.run_id == run_id
+        second.log_params({"arch": "vit_small"})  # a changed value: MLflow refuses it
         for step in range(5, 15):
             second.log_metrics({"loss": 100.0 + step}, step=step)
 
@@ -99,7 +100,9 @@ def test_sqlite_store_and_resume_without_duplicates(
     assert any(k.startswith("system/") for k in run.data.metrics)
     exp = client.get_experiment_by_name("exp")
     assert len(client.search_runs([exp.experiment_id])) == 1  # resumed, not a new run
-    assert not list((tmp_path / "spool").glob("*.jsonl"))  # nothing left spooled
+    rejected = (tmp_path / "spool" / "rejected.jsonl").read_text()
+    assert "vit_small" in rejected  # kept and reported, not retried forever
+    assert [p.name for p in (tmp_path / "spool").glob("*.jsonl")] == ["rejected.jsonl"]
 
 
 class _Server:
