@@ -88,6 +88,11 @@ def _positive(text: str) -> int:
     return v
 
 
+def _cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux: the CPUs this job may use
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not the whole usage block
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -156,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--workers",
         type=_positive,
-        default=len(os.sched_getaffinity(0)),
+        default=_cpus(),
         help="decoding processes on this machine (all CPUs)",
     )
     g.add_argument("--num-jobs", type=_positive, default=1, help="machines sharing OUT (1)")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 import ssl_vit
 from ssl_vit.data.imaging import (
@@ -45,6 +46,7 @@ from ssl_vit.data.shard_writer import (
     load_record,
     sample_members,
     sample_meta,
+    shutdown_io,
     verify_record,
 )
 from ssl_vit.data.sources import Listing, open_source
@@ -213,6 +215,8 @@ def run_job(
     if not 0 <= job_index < num_jobs:
         raise JobError(f"--job-index {job_index} must be in [0, --num-jobs={num_jobs})")
     listing, opts, groups = prepare(source, opts)
+    if not listing.items and not listing.errors:
+        raise JobError(f"{source}: no images found (looked for .png .jpg .webp .bmp .gif .tif ...)")
     fp = fingerprint(source, opts)
     if _check_output(out, fp):
         return _already_done(out)
@@ -251,6 +255,7 @@ def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: in
     if total == 0:
         return len(todo)
     progress = Progress(total, "make_shards")
+    pil_limit = Image.MAX_IMAGE_PIXELS  # restored below: callers keep their own guard
     pool = None
     if workers > 1:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
@@ -276,6 +281,8 @@ def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: in
             writer.finish()
     finally:
         progress.close()
+        Image.MAX_IMAGE_PIXELS = pil_limit
+        shutdown_io()  # no thread may be alive when the next job forks its workers
         if pool is not None:
             pool.terminate()
             pool.join()
@@ -361,6 +368,7 @@ def merge(
 
 
 def _already_done(out: Path) -> Summary:
+    shutil.rmtree(out / WORK, ignore_errors=True)  # left if a run died right after its manifest
     raw = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
     kept = sum(s["num_samples"] for s in raw["splits"].values())
     for split in raw["splits"].values():

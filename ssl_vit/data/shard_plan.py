@@ -80,11 +80,13 @@ def make_key(rel: str) -> str:
 
 def make_plan(listing: Listing, opts: ShardOptions) -> list[Group]:
     """Groups of at most `shard_size` items per split, in a seeded shuffled order."""
-    by_split: dict[str, list[tuple[int, str, Item]]] = {}
+    by_split: dict[str, list[tuple[bytes, str, Item]]] = {}
+    seed = f"ssl-vit-order{opts.seed}".encode()[:64]
     for it in listing.items:
         split = assign_split(it.rel, it.split, opts.val_fraction, opts.test_fraction)
         # Seeded shuffle as a sort by a keyed hash: stable when files are added elsewhere.
-        by_split.setdefault(split, []).append((_unit(it.rel, f"order{opts.seed}"), it.rel, it))
+        rank = hashlib.blake2b(it.rel.encode(), digest_size=8, key=seed).digest()
+        by_split.setdefault(split, []).append((rank, it.rel, it))
     names = [s for s in SPLIT_ORDER if s in by_split] + sorted(set(by_split) - set(SPLIT_ORDER))
     groups: list[Group] = []
     seen: dict[str, str] = {}
@@ -97,8 +99,7 @@ def make_plan(listing: Listing, opts: ShardOptions) -> list[Group]:
                 if k in seen:
                     raise ValueError(f"{it.rel}: key {k} collides with {seen[k]}; rename one file")
                 seen[k] = it.rel
-            h = hashlib.sha256()
-            for k, it in zip(keys, chunk, strict=True):
-                h.update(f"{k}\0{it.rel}\0{it.label}\0".encode())
-            groups.append(Group(split, gi, chunk, keys, h.hexdigest()))
+            pairs = zip(keys, chunk, strict=True)
+            lines = "".join(f"{k}\0{it.rel}\0{it.label}\n" for k, it in pairs).encode()
+            groups.append(Group(split, gi, chunk, keys, hashlib.sha256(lines).hexdigest()))
     return groups

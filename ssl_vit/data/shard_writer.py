@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
@@ -66,16 +67,32 @@ def sample_blob(members: list[tuple[str, bytes]]) -> bytes:
     """The archive bytes of a sample's members: header, data, zero padding to a block."""
     out = []
     for name, data in members:
-        out.append(tar_header(name, len(data)))
-        out.append(data)
-        pad = -len(data) % _BLOCK
-        if pad:
-            out.append(_ZEROS[:pad])
+        out += (tar_header(name, len(data)), data, _ZEROS[: -len(data) % _BLOCK])
     return b"".join(out)
 
 
 _ZEROS = bytes(_BLOCK)
 _FLUSH = 4 << 20  # write in 4 MiB pieces: few syscalls, bounded memory
+
+
+# One background thread writes and hashes full buffers (both release the GIL), so disk and
+# sha256 overlap with encoding; at most one buffer is in flight, which bounds memory.
+_IO: ThreadPoolExecutor | None = None
+
+
+def _io() -> ThreadPoolExecutor:
+    global _IO
+    if _IO is None:
+        _IO = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io")
+    return _IO
+
+
+def shutdown_io() -> None:
+    """Join the writer thread (call before forking worker processes again)."""
+    global _IO
+    if _IO is not None:
+        _IO.shutdown(wait=True)
+        _IO = None
 
 
 class _PartFile:
@@ -86,6 +103,7 @@ class _PartFile:
         self.f = open(tmp, "wb")
         self.h = hashlib.sha256()
         self.buf = bytearray()
+        self.pending: Future | None = None
         self.bytes = 0
         self.num_samples = 0
 
@@ -95,14 +113,20 @@ class _PartFile:
         if len(self.buf) >= _FLUSH:
             self._flush()
 
+    def _put(self, chunk: bytes) -> None:
+        self.f.write(chunk)
+        self.h.update(chunk)
+
     def _flush(self) -> None:
-        self.f.write(self.buf)
-        self.h.update(self.buf)
+        if self.pending is not None:
+            self.pending.result()  # keeps order and surfaces write errors (disk full)
+        self.pending = _io().submit(self._put, bytes(self.buf))
         self.buf.clear()
 
     def close(self) -> None:
         self.write(_END)
         self._flush()
+        self.pending.result()  # type: ignore[union-attr]
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
