@@ -131,6 +131,17 @@ def test_load_at_new_img_size_interpolates_pos_embed(tmp_path):
     assert big(torch.rand(1, 1, 56, 56)).shape == (1, 32)
 
 
+def test_hybrid_loads_at_a_new_size(tmp_path):
+    kw = dict(img_size=28, in_chans=1, patch_size=1, **TINY)
+    hybrid = build_backbone("vit_tiny_r_s16_p8_224", **kw)
+    export_backbone(
+        hybrid, tmp_path, arch="vit_tiny_r_s16_p8_224", kwargs=kw, mean=[0.5], std=[0.5]
+    )
+    big, meta = load_backbone(tmp_path, img_size=56)
+    assert meta["token_grid"] == [7, 7] and tuple(big.patch_embed.grid_size) == (14, 14)
+    assert big.forward_features(torch.rand(1, 1, 56, 56)).shape == (1, 1 + 196, 32)
+
+
 def test_load_errors_are_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="backbone.json"):
         load_backbone(tmp_path)

@@ -210,6 +210,16 @@ def test_hybrid_and_mixer_pretrain_with_mpp(arch, patch):
     assert torch.isfinite(loss) and mpp.mask_token.grad.abs().sum() > 0
 
 
+def test_a_bf16_cast_model_takes_float32_images_and_keeps_exact_targets():
+    mpp = _mpp().to(torch.bfloat16)  # what a DeepSpeed bf16 engine does to the module
+    img = torch.rand(2, 1, 28, 28)
+    out = mpp.predict(img, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out.target, mean_color_targets(img, 4).gather(1, out.positions))
+    loss, _ = mpp(img, torch.zeros(2, dtype=torch.long))
+    loss.backward()
+    assert mpp.mask_token.grad.dtype == torch.bfloat16 and torch.isfinite(loss)
+
+
 def test_bad_configuration_is_a_clear_error():
     bb = build_backbone("vit_tiny_patch16_224", img_size=28, in_chans=1, patch_size=4, **TINY)
     with pytest.raises(ValueError, match="patch_size=7"):

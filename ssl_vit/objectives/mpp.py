@@ -42,7 +42,13 @@ from ssl_vit.objectives.targets import (
     patch_pixel_targets,
     quantize,
 )
-from ssl_vit.objectives.tokens import embed_dim, embed_patches, encode_patches, num_prefix_tokens
+from ssl_vit.objectives.tokens import (
+    embed_dim,
+    embed_patches,
+    encode_patches,
+    normalize,
+    num_prefix_tokens,
+)
 
 __all__ = [
     "MaskedPatchPrediction",
@@ -86,17 +92,23 @@ class MPPPrediction:
 class MaskedPatchPrediction(nn.Module):
     """MPP objective around a timm ViT, hybrid ViT or MLP-Mixer (contract 3).
 
-    Called as `objective(images, labels) -> (loss, metrics)` with images (B, C, H, W) float in
-    [0, 1] (normalised here with `mean`/`std`; targets use the raw values); labels are ignored.
+    Called as `objective(images, labels) -> (loss, metrics)` with images (B, C, H, W) float32 in
+    [0, 1] (normalised here with `mean`/`std` and cast to the module's dtype; targets use the raw
+    float32 values, so pass float32, not bf16, images); labels are ignored.
     Metrics (tensors): mpp/loss, mpp/acc, mpp/acc_{mask,random,kept}, mpp/loss_{mask,random,kept}
     (the acc metrics are absent for target="pixels" with normalize_pixels=True).
+
+    With a hybrid backbone the ResNet stem's receptive field overlaps neighbouring patches, so
+    the uncorrupted neighbours' embeddings carry some of a masked patch's pixels: the task is
+    easier than with plain patch projection (the paper pretrains plain ViTs with MPP).
 
     Args:
         backbone: from `ssl_vit.models.build_backbone`.
         patch_size, in_chans: image pixels per token side and channels; read from the backbone
             when None, checked when given (a hybrid's token covers stem stride x patch pixels).
         mean, std: per-channel normalisation of the backbone input.
-        corrupt_ratio: share of patches corrupted per image, exactly round(ratio * N) each.
+        corrupt_ratio: share of patches corrupted per image, exactly round(ratio * N) each
+            (Python's round: 24 of 49 patches at 0.5, 98 of 196).
         mask_prob, random_prob: of the corrupted, share given the [mask] embedding / another
             patch's embedding; the rest stay unchanged.
         target: "mean_color" (paper's choice), "downsized_color" (downsize x downsize patch,
@@ -191,7 +203,7 @@ class MaskedPatchPrediction(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, Corruption]:
         """-> head outputs (B, M, out), targets, corruption."""
         B = images.shape[0]
-        x = (images - self.mean) / self.std
+        x = normalize(images, self.mean, self.std)
         tokens = embed_patches(self.backbone, x)  # (B, N, D)
         corr = draw_corruption(
             B, tokens.shape[1], self.num_corrupt, mask_prob=self.mask_prob,

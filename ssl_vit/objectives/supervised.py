@@ -14,6 +14,7 @@ from torch import nn
 
 from ssl_vit.models.heads import PretrainHead
 from ssl_vit.objectives.mpp import MaskedPatchPrediction
+from ssl_vit.objectives.tokens import normalize
 
 __all__ = ["SupervisedObjective", "JointObjective"]
 
@@ -52,7 +53,7 @@ class SupervisedObjective(nn.Module):
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """images (B, C, H, W) in [0, 1] -> pooled features (B, D)."""
-        x = (images - self.mean) / self.std
+        x = normalize(images, self.mean, self.std)
         return self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
 
     def loss_from_features(

@@ -13,7 +13,13 @@ from torch import nn
 
 from ssl_vit.models.backbones import backbone_kind
 
-__all__ = ["embed_patches", "encode_patches", "num_prefix_tokens", "embed_dim"]
+__all__ = ["normalize", "embed_patches", "encode_patches", "num_prefix_tokens", "embed_dim"]
+
+
+def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """(images - mean) / std in float32, returned in the dtype of the mean buffer, i.e. of the
+    module: float32 under autocast, bf16 when an engine (DeepSpeed bf16) cast the whole model."""
+    return ((images.float() - mean.float()) / std.float()).to(mean.dtype)
 
 
 def num_prefix_tokens(backbone: nn.Module) -> int:
