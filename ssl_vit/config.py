@@ -59,7 +59,7 @@ class ObjectiveConfig:
     corrupt_ratio: float = 0.5  # share of patches corrupted; the paper's 50% (sec. 4.6)
     mask_prob: float = 0.8  # of corrupted: [mask] embedding (BERT's 80/10/10, B.1.2)
     random_prob: float = 0.1  # of corrupted: another patch's embedding
-    target: str = "mean_color"  # "mean_color", "downsampled" (4x4 in 3-bit) or "pixels" (L2)
+    target: str = "mean_color"  # "mean_color", "downsized_color" (4x4 in 3-bit) or "pixels" (L2)
     bits: int = 3  # colour bits per channel of the targets (3 -> 512 classes for RGB)
     label_smoothing: float = 0.0
     mpp_weight: float = 1.0
@@ -148,6 +148,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     }
     if hint is Any:
         return value
+    if origin is float and isinstance(value, str):  # YAML 1.1 reads "2e-3" as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if not ok[origin](value) or (origin is tuple and not all(ok[float](v) for v in value)):
         want = getattr(hint, "__name__", str(hint))
         raise ConfigError(f"config key {key!r}: {value!r} is not a valid {want}")
@@ -217,9 +222,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     m, o, t = cfg.model, cfg.objective, cfg.train
     if o.kind not in ("mpp", "supervised", "joint"):
         raise ConfigError(f"objective.kind={o.kind!r}: choose mpp, supervised or joint")
-    if o.target not in ("mean_color", "downsampled", "pixels"):
+    if o.target not in ("mean_color", "downsized_color", "pixels"):
         raise ConfigError(
-            f"objective.target={o.target!r}: choose mean_color, downsampled or pixels"
+            f"objective.target={o.target!r}: choose mean_color, downsized_color or pixels"
         )
     if not 0 < o.corrupt_ratio <= 1:
         raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")

@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
-from timm.optim import param_groups_weight_decay
 
 from ssl_vit.config import Config
-
-# Parameters that never get weight decay besides biases and norm weights (timm excludes every
-# 1-D tensor): the position embeddings and the special tokens ([class], [mask]).
-NO_DECAY_NAMES = ("pos_embed", "cls_token", "reg_token", "dist_token", "mask_token")
-
-
-def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups, with and without weight decay (B.1: wd 0.1, kept off embeddings/tokens/norms)."""
-    no_decay = {n for n, _ in module.named_parameters() if n.split(".")[-1] in NO_DECAY_NAMES}
-    return param_groups_weight_decay(module, weight_decay, no_weight_decay_list=no_decay)
+from ssl_vit.objectives import param_groups
 
 
 class SkippableAdamW(torch.optim.AdamW):

@@ -18,14 +18,27 @@ import sys
 import time
 from pathlib import Path
 
+import deepspeed
 import torch
+from torch import nn
 
 from ssl_vit.config import Config, ConfigError, local_batch, save_config
 from ssl_vit.data.manifest import Manifest, atomic_write_text, check_shards_exist, load_manifest
+from ssl_vit.data.stream import make_train_loader
 from ssl_vit.engine import checkpoint
 from ssl_vit.engine.distributed import all_reduce_sum, barrier, device_for, init_distributed
-from ssl_vit.engine.optim import deepspeed_config, make_optimizer, resolve_precision
+from ssl_vit.engine.optim import (
+    SkippableAdamW,
+    deepspeed_config,
+    make_optimizer,
+    resolve_precision,
+)
 from ssl_vit.engine.progress import MetricWindow, Progress, write_loss_plot
+from ssl_vit.models import build_backbone, export_backbone
+from ssl_vit.objectives import build_objective
+from ssl_vit.objectives.export import save_objective
+from ssl_vit.perf import count_train_flops, measure_matmul_peak
+from ssl_vit.tracking import Tracker
 
 log = logging.getLogger("ssl_vit.train")
 
@@ -50,32 +63,80 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> None:
             )
 
 
-def _build(cfg: Config, manifest: Manifest, in_chans: int):
-    from ssl_vit.models import build_backbone
-    from ssl_vit.objectives import build_objective
-
+def _build(cfg: Config, manifest: Manifest, in_chans: int) -> tuple[nn.Module, dict]:
+    """The objective (with its backbone) and the options it was built with."""
     m, o = cfg.model, cfg.objective
     backbone = build_backbone(
         m.arch, img_size=m.img_size, in_chans=in_chans, patch_size=m.patch_size, **m.kwargs
     )
-    objective = build_objective(
-        o.kind,
-        backbone,
-        patch_size=m.patch_size,
-        in_chans=in_chans,
-        mean=manifest.mean,
-        std=manifest.std,
-        num_classes=manifest.num_classes,
-        corrupt_ratio=o.corrupt_ratio,
-        mask_prob=o.mask_prob,
-        random_prob=o.random_prob,
-        target=o.target,
-        bits=o.bits,
-        label_smoothing=o.label_smoothing,
-        mpp_weight=o.mpp_weight,
-        supervised_weight=o.supervised_weight,
-    )
-    return backbone, objective
+    mpp = {
+        "patch_size": m.patch_size,
+        "in_chans": in_chans,
+        "corrupt_ratio": o.corrupt_ratio,
+        "mask_prob": o.mask_prob,
+        "random_prob": o.random_prob,
+        "target": o.target,
+        "bits": o.bits,
+    }
+    sup = {"num_classes": manifest.num_classes, "label_smoothing": o.label_smoothing}
+    joint = {"mpp_weight": o.mpp_weight, "sup_weight": o.supervised_weight}
+    options = {"mpp": mpp, "supervised": sup, "joint": {**mpp, **sup, **joint}}[o.kind]
+    objective = build_objective(o.kind, backbone, mean=manifest.mean, std=manifest.std, **options)
+    return objective, options
+
+
+def _is_log_step(step: int, every: int, total: int) -> bool:
+    return step % every == 0 or step == total
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
+def _train_step(
+    engine: deepspeed.DeepSpeedEngine,
+    optimizer: SkippableAdamW,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    micro: int,
+    cpu_autocast: bool,
+    window: MetricWindow,
+    want_grad_norm: bool,
+) -> tuple[bool, float]:
+    """One optimizer step over the rank's batch, in micro-batches; returns (finite, grad norm).
+
+    A non-finite loss on any rank skips the optimizer step on every rank (weights and moments
+    untouched); the step still counts, so the data and schedule stay aligned.
+    """
+    device = engine.device
+    images = images.to(device, non_blocking=True).float().div_(255)  # (B, C, H, W) in [0, 1]
+    labels = labels.to(device, non_blocking=True)
+    chunks = list(zip(images.split(micro), labels.split(micro), strict=True))
+    bad = torch.zeros((), device=device)
+    grad_norm = 0.0
+    for i, (x, y) in enumerate(chunks):
+        with torch.autocast("cpu", torch.bfloat16, enabled=cpu_autocast):
+            loss, metrics = engine(x, y)
+        bad += ~torch.isfinite(loss.detach())
+        engine.backward(loss)
+        if i == len(chunks) - 1:  # the accumulation boundary: grads are all-reduced now
+            finite = all_reduce_sum(bad).item() == 0
+            optimizer.skip_next = not finite
+            if want_grad_norm:
+                grad_norm = _grad_norm(engine.module)
+        engine.step()
+        window.add(loss.detach(), metrics)
+    reported = engine.get_global_grad_norm()  # set under ZeRO / half precision only
+    if want_grad_norm and reported is not None:
+        grad_norm = float(reported)
+    return finite, grad_norm
+
+
+def _save_run_id(tracker: Tracker, path: Path) -> None:
+    """Remember the MLflow run so a rerun continues it (the id may arrive late: store down)."""
+    if tracker.run_id and not path.is_file():
+        atomic_write_text(path, tracker.run_id + "\n")
 
 
 def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
@@ -108,13 +169,6 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
 
 def train(cfg: Config, header: str = "") -> Path:
     """Pretrain as `cfg` says; returns the export folder. Every rank calls this."""
-    import deepspeed
-
-    from ssl_vit.data.stream import make_train_loader
-    from ssl_vit.models import export_backbone
-    from ssl_vit.perf import count_train_flops, measure_matmul_peak
-    from ssl_vit.tracking import Tracker
-
     rank, local_rank, world = init_distributed()
     per_rank, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
@@ -132,7 +186,7 @@ def train(cfg: Config, header: str = "") -> Path:
     barrier()
 
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    backbone, objective = _build(cfg, manifest, in_chans)
+    objective, objective_options = _build(cfg, manifest, in_chans)
     optimizer, scheduler = make_optimizer(objective, cfg, total_steps)
     ds_config = deepspeed_config(cfg, world, micro, accum, precision)
     if rank == 0:
@@ -146,6 +200,8 @@ def train(cfg: Config, header: str = "") -> Path:
 
     state = checkpoint.load(engine, ckpt_dir) or {}
     step = int(state.get("step", 0))
+    if step and rank == 0:
+        log.info("resumed from step %d (%s)", step, ckpt_dir / checkpoint.tag_for(step))
 
     run_id_file = run_dir / "mlflow_run_id"
     tracker = Tracker(
@@ -157,8 +213,7 @@ def train(cfg: Config, header: str = "") -> Path:
         spool_dir=run_dir / "mlflow_spool",
     )
     if rank == 0:
-        if tracker.run_id and not run_id_file.is_file():
-            atomic_write_text(run_id_file, tracker.run_id + "\n")
+        _save_run_id(tracker, run_id_file)
         if step == 0:
             tracker.log_params(
                 {**cfg.to_dict(), "derived": {"world_size": world, "accum": accum, "micro": micro}}
@@ -185,52 +240,38 @@ def train(cfg: Config, header: str = "") -> Path:
     nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
     nonfinite_total = int(state.get("nonfinite_total", 0))
 
+    loader = make_train_loader(
+        cfg.data.root,
+        cfg.data.split,
+        global_batch=cfg.train.global_batch,
+        rank=rank,
+        world_size=world,
+        num_workers=cfg.data.num_workers,
+        img_size=cfg.model.img_size,
+        seed=cfg.run.seed,
+        epoch=step // steps_per_epoch,
+        skip_batches=step % steps_per_epoch,
+        augment=cfg.data.augment,
+        scale=cfg.data.crop_scale,
+        hflip=cfg.data.hflip,
+        missing=cfg.data.missing_shards,
+    )
     while step < total_steps:
-        epoch, skip = divmod(step, steps_per_epoch)
-        loader = make_train_loader(
-            cfg.data.root,
-            cfg.data.split,
-            global_batch=cfg.train.global_batch,
-            rank=rank,
-            world_size=world,
-            num_workers=cfg.data.num_workers,
-            img_size=cfg.model.img_size,
-            seed=cfg.run.seed,
-            epoch=epoch,
-            skip_batches=skip,
-            augment=cfg.data.augment,
-            scale=cfg.data.crop_scale,
-            hflip=cfg.data.hflip,
-            missing=cfg.data.missing_shards,
-        )
         batches = iter(loader)
         while step < total_steps:
             t0 = time.perf_counter()
-            try:
-                images, labels = next(batches)
-            except StopIteration:
+            images, labels = next(batches, (None, None))
+            if images is None:
                 break
             t_data = time.perf_counter() - t0
             torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + step)
-            images = images.to(device, non_blocking=True).float().div_(255)  # (B, C, H, W) in [0,1]
-            labels = labels.to(device, non_blocking=True)
-            bad = torch.zeros((), device=device)
-            for i, (x, y) in enumerate(zip(images.split(micro), labels.split(micro), strict=True)):
-                with torch.autocast("cpu", torch.bfloat16, enabled=cpu_autocast):
-                    loss, metrics = engine(x, y)
-                bad += ~torch.isfinite(loss.detach())
-                engine.backward(loss)
-                if i == accum - 1:
-                    # Skip the whole optimizer step on every rank if any rank saw inf/nan.
-                    if all_reduce_sum(bad).item() > 0:
-                        optimizer.skip_next = True
-                        nonfinite_in_row += 1
-                        nonfinite_total += 1
-                    else:
-                        nonfinite_in_row = 0
-                engine.step()
-                window.add(loss.detach(), metrics)
+            log_now = _is_log_step(step + 1, cfg.run.log_every, total_steps)
+            finite, grad_norm = _train_step(
+                engine, optimizer, images, labels, micro, cpu_autocast, window, log_now
+            )
             step += 1
+            nonfinite_in_row = 0 if finite else nonfinite_in_row + 1
+            nonfinite_total += not finite
             if nonfinite_in_row >= cfg.run.max_nonfinite_steps:
                 raise NonFiniteLossError(
                     f"{nonfinite_in_row} steps in a row had a non-finite loss (at step {step}); "
@@ -238,36 +279,36 @@ def train(cfg: Config, header: str = "") -> Path:
                     "or check the data"
                 )
             window.end_step(t_data)
-            if step % cfg.run.log_every == 0 or step == total_steps:
+            row = None
+            if log_now:
                 extra = {
                     "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                    "epoch": epoch + (skip + 1) / steps_per_epoch,
+                    "grad_norm": grad_norm,
+                    "epoch": step / loader.steps_per_epoch,
                     "samples_seen": step * cfg.train.global_batch,
                     "nonfinite_steps": nonfinite_total,
-                    "skipped_samples": getattr(loader, "num_skipped", 0),
+                    "skipped_samples": loader.num_skipped,
                 }
                 row = window.flush(extra, flops_per_step, peak, world)
                 if rank == 0:
+                    _save_run_id(tracker, run_id_file)
                     tracker.log_metrics(row, step=step)
                     with open(metrics_file, "a") as f:
                         f.write(json.dumps({"step": step, **row}) + "\n")
-                progress.update(step, row)
-            else:
-                progress.update(step, None)
+            progress.update(step, row)
             if step % cfg.run.checkpoint_every == 0 or step == total_steps:
                 train_state = {
                     "step": step,
-                    "epoch": epoch,
                     "nonfinite_in_row": nonfinite_in_row,
                     "nonfinite_total": nonfinite_total,
                     "world_size": world,
                 }
                 checkpoint.save(engine, ckpt_dir, step, train_state, rank, cfg.run.keep_checkpoints)
+        loader.set_epoch(step // loader.steps_per_epoch)
     progress.close()
 
     export_dir = run_dir / "export"
-    params = list(engine.module.backbone.parameters())
+    params = list(engine.module.parameters())  # ZeRO-3: gather the shards for the export
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         if rank == 0:
             export_backbone(
@@ -288,11 +329,12 @@ def train(cfg: Config, header: str = "") -> Path:
                     "objective": cfg.objective.kind,
                 },
             )
+            save_objective(engine.module, export_dir, cfg.objective.kind, objective_options)
     if rank == 0:
         plot = write_loss_plot(metrics_file, run_dir / "loss_curve.png")
-        for path in (export_dir, plot):
-            if path is not None:
-                tracker.log_artifact(path)
+        tracker.log_artifact(export_dir, artifact_path="export")
+        if plot is not None:
+            tracker.log_artifact(plot)
         tracker.close()
         log.info(
             "done: %d steps; backbone exported to %s; MLflow run %s",

@@ -1,0 +1,69 @@
+"""Shared test fixtures: small real data sets written by the tests themselves."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_idx(folder: Path, prefix: str, images: np.ndarray, labels: np.ndarray, gz: bool = True):
+    """Write MNIST-format IDX files `{prefix}-images-idx3-ubyte[.gz]` and the labels beside."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n, h, w = images.shape
+    blobs = {
+        f"{prefix}-images-idx3-ubyte": np.array([0x803, n, h, w], ">u4").tobytes()
+        + images.astype(np.uint8).tobytes(),
+        f"{prefix}-labels-idx1-ubyte": np.array([0x801, n], ">u4").tobytes()
+        + labels.astype(np.uint8).tobytes(),
+    }
+    for name, data in blobs.items():
+        if gz:
+            (folder / f"{name}.gz").write_bytes(gzip.compress(data, mtime=0))
+        else:
+            (folder / name).write_bytes(data)
+
+
+def toy_images(n: int, size: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gray images whose class sets where a bright block sits: learnable, like a tiny MNIST."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, n)
+    images = rng.integers(0, 40, (n, size, size))
+    block = size // 4
+    for i, k in enumerate(labels):
+        r, c = divmod(int(k) % 9, 3)
+        y, x = r * block + 1, c * block + 1
+        images[i, y : y + block, x : x + block] = 230
+    return images.astype(np.uint8), labels.astype(np.uint8)
+
+
+def run_cli(args: list[str], timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """Run a project entry script with this interpreter, from the repo root."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout, **kw,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory) -> Path:
+    """A real shard set from data_prep: 512 train / 128 test gray 16x16 images, 4 classes."""
+    base = tmp_path_factory.mktemp("tiny")
+    src = base / "idx"
+    for prefix, n, seed in (("train", 512, 0), ("t10k", 128, 1)):
+        write_idx(src, prefix, *toy_images(n, 16, 4, seed))
+    out = base / "shards"
+    proc = run_cli(
+        ["data_prep/make_shards.py", str(src), str(out), "--shard-size", "128",
+         "--class-names", "a,b,c,d", "--workers", "1"]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return out

@@ -1,0 +1,243 @@
+"""End-to-end pretraining with the real DeepSpeed engine and launcher and a real MLflow store.
+
+Tiny ViTs on the 16x16 toy shards of conftest; each test is a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from conftest import ROOT, run_cli
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "model.img_size=16",
+    "model.patch_size=4",
+    "model.kwargs={depth: 2, embed_dim: 32, num_heads: 2}",
+    "data.num_workers=1",
+    "data.crop_scale=[0.5, 1.0]",
+    "train.global_batch=32",
+    "train.epochs=null",
+    "train.precision=fp32",
+    "optim.lr=2e-3",
+    "optim.warmup_steps=4",
+    "run.log_every=2",
+]
+
+
+def overrides(shards: Path, run_dir: Path, db: Path, *extra: str) -> list[str]:
+    return [
+        f"data.root={shards}",
+        f"run.dir={run_dir}",
+        f"tracking.uri=sqlite:///{db}",
+        *TINY,
+        *extra,
+    ]
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    return [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_pretrain_exports_tracks_and_resumes(tiny_shards, tmp_path):
+    run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
+    args = overrides(tiny_shards, run_dir, db, "train.steps=8", "run.checkpoint_every=4")
+    proc = run_cli(["pipelines/mpp_pretrain.py", *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    # Run directory contract: resolved config, checkpoints with `latest`, export, run id.
+    assert (run_dir / "config.yaml").read_text().startswith("# mpp_pretrain.py")
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step00000008"
+    meta = json.loads((run_dir / "export" / "backbone.json").read_text())
+    assert meta["arch"] == "vit_tiny_patch16_224" and meta["kwargs"]["img_size"] == 16
+    assert (run_dir / "export" / "objective.safetensors").is_file()
+    assert (run_dir / "loss_curve.png").stat().st_size > 1000
+    assert metric_steps(run_dir) == [2, 4, 6, 8]
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["train/mpp/acc"] <= 1 and r["train/images_per_s"] > 0 for r in rows)
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+
+    # The exported backbone loads and gives features.
+    from ssl_vit.models import load_backbone
+    from ssl_vit.objectives.export import load_objective
+
+    model, _ = load_backbone(run_dir)
+    assert load_objective(run_dir, model, meta["mean"], meta["std"]) is not None
+
+    # Same command, more steps: resumes at 8, same MLflow run, no duplicated metric step.
+    args[args.index("train.steps=8")] = "train.steps=12"
+    proc = run_cli(["pipelines/mpp_pretrain.py", *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert metric_steps(run_dir) == [2, 4, 6, 8, 10, 12]
+    assert (run_dir / "mlflow_run_id").read_text().strip() == run_id
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("ssl-vit").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]
+    run = client.get_run(run_id)
+    assert run.data.params["objective.corrupt_ratio"] == "0.5"
+    assert run.data.params["model.patch_size"] == "4"
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == [2, 4, 6, 8, 10, 12]
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"config.yaml", "ds_config.json", "export", "loss_curve.png"} <= artifacts
+
+
+def test_kill_and_rerun_resumes_from_last_checkpoint(tiny_shards, tmp_path):
+    run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
+    args = overrides(
+        tiny_shards, run_dir, db, "train.steps=40", "run.checkpoint_every=5", "objective.kind=mpp"
+    )
+    cmd = [sys.executable, "pipelines/mpp_pretrain.py", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() >= "step00000010":
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "training ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = latest.read_text().strip()
+
+    done = run_cli(["pipelines/mpp_pretrain.py", *args])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resum" in done.stderr.lower() and killed_at.lstrip("step0") in done.stderr
+    assert metric_steps(run_dir) == list(range(2, 41, 2))
+    assert latest.read_text().strip() == "step00000040"
+    assert not list((run_dir / "checkpoints").glob("*.partial"))
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert sorted(steps) == list(range(2, 41, 2))  # none missing, none twice
+
+
+def test_two_ranks_match_one_rank_with_twice_the_batch(tmp_path):
+    """2 ranks x 16 == 1 rank x 32 in a deterministic setting: every sample identical, no
+    augmentation, supervised loss (no random masks), so batch composition cannot differ."""
+    import numpy as np
+    from conftest import write_idx
+
+    img = np.zeros((1, 16, 16), np.uint8)
+    img[0, 2:8, 2:8] = 200
+    write_idx(tmp_path / "idx", "train", np.repeat(img, 128, 0), np.zeros(128, np.uint8))
+    write_idx(tmp_path / "idx", "t10k", img, np.zeros(1, np.uint8))
+    shards = tmp_path / "shards"
+    assert run_cli(["data_prep/make_shards.py", str(tmp_path / "idx"), str(shards),
+                    "--class-names", "a,b"]).returncode == 0  # fmt: skip
+    common = ["train.steps=6", "data.augment=false", "objective.kind=supervised"]
+
+    one = overrides(shards, tmp_path / "one", tmp_path / "db1", *common)
+    assert run_cli(["pipelines/supervised_pretrain.py", *one]).returncode == 0
+
+    two = overrides(shards, tmp_path / "two", tmp_path / "db2", *common)
+    port = str(free_port())
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                "--master_port", port]  # fmt: skip
+    proc = subprocess.run(
+        [*launcher, "pipelines/supervised_pretrain.py", *two],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6]
+    assert json.loads((tmp_path / "two" / "ds_config.json").read_text())[
+        "train_micro_batch_size_per_gpu"
+    ] == 16
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["train/loss"] == pytest.approx(ra["train/loss"], rel=1e-3, abs=1e-5)
+        assert rb["train/grad_norm"] == pytest.approx(ra["train/grad_norm"], rel=1e-3, abs=1e-6)
+
+
+def test_two_node_rehearsal_with_no_ssh(tiny_shards, tmp_path):
+    """What a scheduler does: one launcher per node, `--no_ssh --node_rank`, here on localhost."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    run_dir = tmp_path / "run"
+    args = overrides(tiny_shards, run_dir, tmp_path / "mlflow.db", "train.steps=4")
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+             "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
+             "--master_port", port, "pipelines/mpp_pretrain.py", *args],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["train_micro_batch_size_per_gpu"] == 16  # 32 over 2 "nodes"
+    assert metric_steps(run_dir) == [2, 4]
+
+
+def test_real_mlflow_server(tiny_shards, tmp_path):
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        run_dir = tmp_path / "run"
+        args = [a for a in overrides(tiny_shards, run_dir, tmp_path / "x.db", "train.steps=4")
+                if not a.startswith("tracking.uri")]  # fmt: skip
+        proc = run_cli(["pipelines/mpp_pretrain.py", *args, f"tracking.uri={uri}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_id = (run_dir / "mlflow_run_id").read_text().strip()
+        mlflow.set_tracking_uri(uri)
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert run.data.params["train.global_batch"] == "32"
+        assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [2, 4]
+        assert "export" in {a.path for a in client.list_artifacts(run_id)}
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def test_bad_config_is_one_line_error(tiny_shards, tmp_path):
+    cases = {
+        "train.stepz=3": "unknown config key 'train.stepz'",
+        "model.img_size=18": "not divisible by model.patch_size",
+        "train.global_batch=4096": "exceeds the 512 samples",
+        f"data.root={tmp_path}": "manifest.json: not found",
+    }
+    for bad, message in cases.items():
+        args = overrides(tiny_shards, tmp_path / "r", tmp_path / "db", "train.steps=2", bad)
+        proc = run_cli(["pipelines/mpp_pretrain.py", *args, "--check"])
+        assert proc.returncode == 2, (bad, proc.stderr)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert message in last and "Traceback" not in proc.stderr, (bad, proc.stderr)
+    assert os.path.exists(tiny_shards / "manifest.json")
