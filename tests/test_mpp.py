@@ -193,6 +193,22 @@ def test_three_target_kinds_shapes(target, shape, dtype):
         assert torch.equal(out.target, mean_color_targets(img, 4).gather(1, out.positions))
 
 
+def test_metrics_match_the_predictions_per_corruption_kind():
+    torch.manual_seed(0)
+    mpp = _mpp(patch=4, chans=3).eval()
+    img = torch.rand(8, 3, 16, 16)
+    torch.manual_seed(1)
+    loss, metrics = mpp(img, torch.full((8,), -1))
+    torch.manual_seed(1)  # the same corruption draw
+    out = mpp.predict(img)
+    correct = (out.pred == out.target).float()
+    assert torch.allclose(metrics["mpp/acc"], correct.mean())
+    for kind, name in ((0, "mask"), (1, "random"), (2, "kept")):
+        sel = out.kinds == kind
+        want = correct[sel].mean() if sel.any() else torch.tensor(0.0)
+        assert torch.allclose(metrics[f"mpp/acc_{name}"], want), name
+
+
 def test_predict_is_reproducible_with_a_generator():
     mpp = _mpp().eval()
     img = torch.rand(2, 1, 28, 28)

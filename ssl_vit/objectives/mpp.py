@@ -244,7 +244,8 @@ class MaskedPatchPrediction(nn.Module):
         loss_pp, correct = self._per_patch(out, target)
         loss = loss_pp.mean()  # every image has the same M, so this averages over patches
         metrics = {"mpp/loss": loss.detach()}
-        onehot = F.one_hot(corr.kinds, 3).float()  # (B, M, 3)
+        kinds = torch.arange(3, device=corr.kinds.device)
+        onehot = (corr.kinds.unsqueeze(-1) == kinds).float()  # (B, M, 3); F.one_hot checks on host
         counts = onehot.sum((0, 1)).clamp_min(1.0)  # (3,)
         kind_loss = (loss_pp.detach().unsqueeze(-1) * onehot).sum((0, 1)) / counts
         for k, name in _KIND_NAMES.items():
