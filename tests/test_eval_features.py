@@ -166,7 +166,9 @@ def test_run_dir_cli_links_mlflow_run(tmp_path):
     data = _write_shards(tmp_path / "shards", {"train": 30, "test": 12})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    exp = client.create_experiment("pretrain")
+    exp = client.create_experiment(
+        "pretrain", artifact_location=(tmp_path / "artifacts").as_uri()
+    )  # artifacts stay in tmp
     parent = client.create_run(exp).info.run_id
     run_dir = tmp_path / "run"
     bb = _tiny_backbone()

@@ -133,14 +133,17 @@ def _exact_map_at_r(
     """mAP@R with exact neighbours; R can be thousands, so ranks come from a torch top-R."""
     counts = np.bincount(gallery_labels, minlength=int(query_labels.max()) + 1)
     r = counts[query_labels]
-    g = torch.from_numpy(gallery)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.from_numpy(gallery).to(dev)
     gl = torch.from_numpy(gallery_labels)
     total, n = 0.0, 0
     for s in tqdm(range(0, len(queries), chunk), desc="mAP@R", disable=None, leave=False):
-        q = torch.from_numpy(queries[s : s + chunk])
         rr = r[s : s + chunk]
-        top = (q @ g.T).topk(int(rr.max()), dim=1).indices  # (q, R_max)
         valid = rr > 0
+        if not valid.any():
+            continue
+        q = torch.from_numpy(queries[s : s + chunk]).to(dev)
+        top = (q @ g.T).topk(int(rr.max()), dim=1).indices.cpu()  # (q, R_max)
         total += map_at_r(gl[top].numpy(), query_labels[s : s + chunk], rr) * valid.sum()
         n += int(valid.sum())
     return total / max(n, 1)
@@ -181,6 +184,10 @@ def knn_eval(
             for a, b in zip(ids, exact_ids, strict=True)
         ]
         out[f"ann_recall@{kmax}"] = float(np.mean(found) / kmax)
+    missing = ids < 0  # an approximate index may find fewer than k: those get no vote
+    if missing.any():
+        sims = np.where(missing, -np.inf, sims).astype(np.float32)
+        ids = np.where(missing, 0, ids)
     nb_labels = train_labels[ids]  # (Q, kmax)
     for k in ks:
         k_eff = min(k, kmax)
@@ -188,7 +195,8 @@ def knn_eval(
         out[f"knn_top1@k={k}"] = topk_accuracy(scores, test_labels, 1)
         out[f"knn_top5@k={k}"] = topk_accuracy(scores, test_labels, 5)
     if retrieval:
-        out["recall@1"] = recall_at_k(nb_labels, test_labels, 1)
-        out["recall@5"] = recall_at_k(nb_labels, test_labels, min(5, kmax))
+        found_labels = np.where(missing, -1, nb_labels)  # a missing neighbour is no match
+        out["recall@1"] = recall_at_k(found_labels, test_labels, 1)
+        out["recall@5"] = recall_at_k(found_labels, test_labels, min(5, kmax))
         out["map@r"] = _exact_map_at_r(g, train_labels, q, test_labels)
     return out

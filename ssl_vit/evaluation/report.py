@@ -79,11 +79,9 @@ def log_to_mlflow(
 ) -> str | None:
     """Log one eval as an MLflow run; returns its id, or None if tracking failed."""
     try:
-        import mlflow
         from mlflow.tracking import MlflowClient
 
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-        mlflow.set_tracking_uri(uri)
         client = MlflowClient(uri)
         experiment_id = None
         tags = {"ssl_vit.eval": eval_name}
