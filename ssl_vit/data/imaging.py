@@ -43,7 +43,7 @@ class Encoded:
     ext: str  # "png" | "jpg" | "webp"
     original_size: tuple[int, int]  # (H, W) after EXIF orientation, before resize
     size: tuple[int, int]  # (H, W) as stored
-    stats: tuple[int, tuple[int, ...], tuple[int, ...]] | None  # (pixels, sums, sums of squares)
+    histogram: list[int] | None  # 256 pixel counts per channel (for mean/std), when asked
 
 
 def configure_pil() -> None:
@@ -103,18 +103,9 @@ def _resize(img: Image.Image, how: str, size: int | None) -> Image.Image:
     return img.resize(new, Image.Resampling.BICUBIC, box=box)
 
 
-def _stats(img: Image.Image, pixels: np.ndarray | None = None) -> tuple[int, tuple, tuple]:
-    """Exact integer per-channel sums and sums of squares (merged later into mean/std)."""
-    channels = len(img.getbands())
-    if pixels is None:
-        pixels = np.frombuffer(img.tobytes(), dtype=np.uint8)  # cheaper than np.asarray(img)
-    if channels == 1:
-        y = pixels.reshape(-1).astype(np.int64)  # (P,)
-        return y.shape[0], (int(y.sum()),), (int(y @ y),)
-    x = pixels.reshape(-1, channels).astype(np.int64)  # (P, C)
-    sums = tuple(int(s) for s in x.sum(axis=0))
-    squares = tuple(int(x[:, c] @ x[:, c]) for c in range(channels))
-    return x.shape[0], sums, squares
+def _histogram(img: Image.Image) -> list[int]:
+    """Exact per-channel pixel counts: Pillow's C histogram is ~5x cheaper than numpy sums."""
+    return img.histogram()  # 256 counts per band, bands in order
 
 
 def _encode(img: Image.Image, fmt: str, quality: int) -> bytes:
@@ -135,9 +126,8 @@ def _finish(
     keep: tuple[bytes, str] | None,
     fallback: str,
     want_stats: bool,
-    pixels: np.ndarray | None = None,
 ) -> Encoded:
-    stats = _stats(img, pixels) if want_stats else None
+    stats = _histogram(img) if want_stats else None
     size = (img.size[1], img.size[0])
     if keep is not None:
         return Encoded(keep[0], keep[1], original, size, stats)
@@ -195,9 +185,8 @@ def process_bytes(data: bytes, opts: ImageOptions, *, want_stats: bool = False) 
 
 def process_pixels(pixels: np.ndarray, opts: ImageOptions, *, want_stats: bool = False) -> Encoded:
     """Encode an already-decoded uint8 array (H, W) or (H, W, 3), e.g. an IDX image."""
-    img = Image.fromarray(np.ascontiguousarray(pixels))  # (H, W) -> L, (H, W, 3) -> RGB
+    img = Image.fromarray(pixels)  # (H, W) -> L, (H, W, 3) -> RGB
     original = (img.size[1], img.size[0])
     out = _resize(_to_mode(img, opts.mode), opts.resize, opts.size)
-    same = out is img  # then the stats can read the caller's array directly
     # Arrays have no original bytes: "keep" stores them losslessly as PNG.
-    return _finish(out, opts, original, None, "png", want_stats, pixels if same else None)
+    return _finish(out, opts, original, None, "png", want_stats)

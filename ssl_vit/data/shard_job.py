@@ -276,8 +276,8 @@ def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: in
                     continue
                 meta = sample_meta(it.rel, enc.original_size)
                 writer.add(sample_members(key, enc.ext, enc.data, it.label, meta), enc.size)
-                if enc.stats is not None:
-                    writer.add_stats(enc.stats)
+                if enc.histogram is not None:
+                    writer.add_histogram(enc.histogram)
             writer.finish()
     finally:
         progress.close()

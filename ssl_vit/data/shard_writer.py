@@ -18,6 +18,8 @@ from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ssl_vit.data.manifest import atomic_write_text, sha256_file
 
 _BLOCK = 512
@@ -177,7 +179,8 @@ class GroupWriter:
         self.parts: list[_PartFile] = []
         self.errors: list[dict[str, str]] = []
         self.sizes: set[tuple[int, int]] = set()
-        self.stats: list[Any] | None = None
+        self.hists: list[list[int]] = []  # per-sample histograms, folded in batches
+        self.hist: np.ndarray | None = None  # (C * 256,) int64 counts of this group
 
     def _new_part(self) -> _PartFile:
         name = f"{self.stem}-p{len(self.parts):03d}.tar"
@@ -195,14 +198,16 @@ class GroupWriter:
         part.num_samples += 1
         self.sizes.add(size)
 
-    def add_stats(self, stats: tuple[int, tuple[int, ...], tuple[int, ...]]) -> None:
-        n, sums, squares = stats
-        if self.stats is None:
-            self.stats = [0, [0] * len(sums), [0] * len(sums)]
-        self.stats[0] += n
-        for c in range(len(sums)):
-            self.stats[1][c] += sums[c]
-            self.stats[2][c] += squares[c]
+    def add_histogram(self, hist: list[int]) -> None:
+        self.hists.append(hist)
+        if len(self.hists) >= 1024:
+            self._fold()
+
+    def _fold(self) -> None:
+        if self.hists:
+            total = np.asarray(self.hists, dtype=np.int64).sum(axis=0)
+            self.hist = total if self.hist is None else self.hist + total
+            self.hists.clear()
 
     def finish(self) -> GroupRecord:
         infos = []
@@ -214,9 +219,16 @@ class GroupWriter:
                 PartInfo(part.final.name, part.num_samples, part.bytes, part.h.hexdigest())
             )
         size = next(iter(self.sizes)) if len(self.sizes) == 1 else None
+        self._fold()
         stats = None
-        if self.stats is not None:
-            stats = {"pixels": self.stats[0], "sums": self.stats[1], "squares": self.stats[2]}
+        if self.hist is not None:
+            counts = self.hist.reshape(-1, 256)  # (C, 256)
+            v = np.arange(256, dtype=np.int64)
+            stats = {  # exact integers: merging groups in any order gives the same mean/std
+                "pixels": int(counts[0].sum()),
+                "sums": [int(x) for x in counts @ v],
+                "squares": [int(x) for x in counts @ (v * v)],
+            }
         rec = GroupRecord(
             self.split,
             self.group,
