@@ -84,7 +84,9 @@ class TrainConfig:
     micro_batch: int | None = None  # per rank per forward; None: global_batch / world size
     steps: int | None = None  # optimizer steps; or give epochs
     epochs: float | None = None  # in samples of the manifest's split
-    precision: str = "auto"  # auto: bf16 on GPUs that have it, else fp16; bf16 autocast on CPU
+    # auto: bf16 on GPUs that have it (else fp16); on CPU bf16 autocast only where the CPU has
+    # native bf16 (AVX512-BF16/AMX), else fp32: emulated bf16 is slower than fp32
+    precision: str = "auto"
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     compile: bool = False  # torch.compile the model (GPU)
 

@@ -128,7 +128,9 @@ def write_manifest(root: str | os.PathLike, manifest: Manifest) -> Path:
 
 def _require(obj: dict, key: str, kind: type | tuple, where: Path) -> Any:
     if key not in obj:
-        raise ManifestError(f"{where}: missing key {key!r}; re-create it with data_prep/make_shards.py")
+        raise ManifestError(
+            f"{where}: missing key {key!r}; re-create it with data_prep/make_shards.py"
+        )
     if not isinstance(obj[key], kind):
         raise ManifestError(f"{where}: key {key!r} has the wrong type ({type(obj[key]).__name__})")
     return obj[key]

@@ -32,6 +32,11 @@ def init_distributed() -> tuple[int, int, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks on one machine share its cores: oversubscribed threads make a step many
+        # times slower, so each rank takes its share.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     return dist.get_rank(), local_rank, dist.get_world_size()
 
 

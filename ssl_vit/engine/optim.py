@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -56,13 +57,23 @@ def make_optimizer(
     return opt, sched
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without them CPU bf16 is emulated and slower than fp32 (we measured
+    about 4x slower on an AVX2-only machine, see benchmarks/mpp_step.py)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_precision(requested: str) -> str:
-    """'auto' picks bf16 where the hardware runs it well (CPU autocast, Ampere+), else fp16."""
+    """'auto': bf16 on GPUs that have it, else fp16; on CPU bf16 autocast only where native."""
     if requested != "auto":
         return requested
     if torch.cuda.is_available():
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def deepspeed_config(cfg: Config, world_size: int, micro: int, accum: int, precision: str) -> dict:

@@ -230,7 +230,8 @@ def train(cfg: Config, header: str = "") -> Path:
         with torch.autocast("cpu", torch.bfloat16, enabled=cpu_autocast):
             flops_per_step = count_train_flops(engine.module, x, y) * accum * world
         engine.module.zero_grad(set_to_none=True)
-        peak = measure_matmul_peak(torch.bfloat16 if precision == "bf16" else torch.float32, device)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        peak = measure_matmul_peak(dtype, device, n=4096 if device.type == "cuda" else 1024)
 
     window = MetricWindow(device, cfg.train.global_batch)
     metrics_file = run_dir / "metrics.jsonl"
