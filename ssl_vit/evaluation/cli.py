@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -150,6 +151,10 @@ def report(
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run an eval's main; bad input becomes a one-line error and exit status 2."""
+    # Progress lines (features, probe sweep) go through logging when stderr is not a TTY.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("alembic", "mlflow", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return main(argv)
     except (FeatureError, ManifestError, FileNotFoundError, ValueError) as e:
