@@ -31,6 +31,8 @@ class RunConfig:
     keep_checkpoints: int = 2  # the last K complete checkpoints are kept
     log_every: int = 20  # steps between metric lines / MLflow points
     max_nonfinite_steps: int = 5  # stop after this many non-finite losses in a row
+    eval_every: int = 0  # steps between classifier evaluations; 0: at each epoch's end
+    eval_split: str | None = None  # None: "val" when the shard set has it, else "test"
 
 
 @dataclass
@@ -51,11 +53,13 @@ class ModelConfig:
     patch_size: int | None = 4  # None keeps the architecture's own
     in_chans: int | None = None  # None: from the shard manifest (1 gray, 3 RGB)
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed on to timm.create_model
+    init_from: str | None = None  # exported backbone / run dir to start from (fine-tuning);
+    # its arch and kwargs win, position embeddings are resampled to img_size (sec. 3.2)
 
 
 @dataclass
 class ObjectiveConfig:
-    kind: str = "mpp"  # "mpp", "supervised" or "joint" (a*MPP + b*supervised)
+    kind: str = "mpp"  # "mpp", "supervised", "joint" (a*MPP + b*supervised) or "finetune"
     corrupt_ratio: float = 0.5  # share of patches corrupted; the paper's 50% (sec. 4.6)
     mask_prob: float = 0.8  # of corrupted: [mask] embedding (BERT's 80/10/10, B.1.2)
     random_prob: float = 0.1  # of corrupted: another patch's embedding
@@ -68,6 +72,9 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # "adamw" (pretraining, B.1) or "sgd" (fine-tuning, B.1.1)
+    momentum: float = 0.9  # SGD only
+    layer_decay: float | None = None  # layer-wise lr decay, e.g. 0.75 (fine-tuning option)
     lr: float = 2e-4  # MPP: Adam, lr 2e-4 (B.1.2); supervised used 1e-3..3e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -222,8 +229,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Checks that need no data; `check_against_data` does the rest once shards are known."""
     m, o, t = cfg.model, cfg.objective, cfg.train
-    if o.kind not in ("mpp", "supervised", "joint"):
-        raise ConfigError(f"objective.kind={o.kind!r}: choose mpp, supervised or joint")
+    if o.kind not in ("mpp", "supervised", "joint", "finetune"):
+        raise ConfigError(f"objective.kind={o.kind!r}: choose mpp, supervised, joint or finetune")
+    if cfg.optim.name not in ("adamw", "sgd"):
+        raise ConfigError(f"optim.name={cfg.optim.name!r}: choose adamw or sgd")
     if o.target not in ("mean_color", "downsized_color", "pixels"):
         raise ConfigError(
             f"objective.target={o.target!r}: choose mean_color, downsized_color or pixels"
@@ -232,7 +241,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")
     if o.mask_prob < 0 or o.random_prob < 0 or o.mask_prob + o.random_prob > 1:
         raise ConfigError("objective.mask_prob + objective.random_prob must be within [0, 1]")
-    if m.patch_size is not None and m.img_size % m.patch_size:
+    if m.patch_size is not None and not m.init_from and m.img_size % m.patch_size:
         raise ConfigError(
             f"model.img_size={m.img_size} is not divisible by model.patch_size={m.patch_size}"
         )

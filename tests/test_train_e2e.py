@@ -160,9 +160,12 @@ def test_two_ranks_match_one_rank_with_twice_the_batch(tmp_path):
     a = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6]
-    assert json.loads((tmp_path / "two" / "ds_config.json").read_text())[
-        "train_micro_batch_size_per_gpu"
-    ] == 16
+    assert (
+        json.loads((tmp_path / "two" / "ds_config.json").read_text())[
+            "train_micro_batch_size_per_gpu"
+        ]
+        == 16
+    )
     for ra, rb in zip(a, b, strict=True):
         assert rb["train/loss"] == pytest.approx(ra["train/loss"], rel=1e-3, abs=1e-5)
         assert rb["train/grad_norm"] == pytest.approx(ra["train/grad_norm"], rel=1e-3, abs=1e-6)
@@ -177,10 +180,26 @@ def test_two_node_rehearsal_with_no_ssh(tiny_shards, tmp_path):
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
-             "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
-             "--master_port", port, "pipelines/mpp_pretrain.py", *args],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.launcher.runner",
+                "--hostfile",
+                str(hostfile),
+                "--no_ssh",
+                "--node_rank",
+                str(node),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                "pipelines/mpp_pretrain.py",
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for node in (0, 1)
     ]
@@ -241,3 +260,27 @@ def test_bad_config_is_one_line_error(tiny_shards, tmp_path):
         last = proc.stderr.strip().splitlines()[-1]
         assert message in last and "Traceback" not in proc.stderr, (bad, proc.stderr)
     assert os.path.exists(tiny_shards / "manifest.json")
+
+
+def test_finetune_at_higher_resolution_beats_its_start(tiny_shards, tmp_path):
+    """Pretrain 16 px, fine-tune at 24 px (pos-embed interpolated) with SGD + zero-init head."""
+    pre = tmp_path / "pre"
+    args = overrides(tiny_shards, pre, tmp_path / "db", "train.steps=4")
+    assert run_cli(["pipelines/mpp_pretrain.py", *args]).returncode == 0
+    ft = tmp_path / "ft"
+    args = [
+        a
+        for a in overrides(tiny_shards, ft, tmp_path / "db", "train.epochs=3")
+        if a != "train.epochs=null" and not a.startswith(("optim.lr", "model.kwargs"))
+    ]
+    proc = run_cli(
+        ["evals/finetune.py", "--config", "configs/fmnist_finetune.yaml", "--backbone", str(pre),
+         *args, "model.img_size=24", "optim.lr=0.05", "optim.warmup_steps=4"]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((ft / "results.json").read_text())
+    # The zero-initialised head starts by predicting class 0 for everything: ~1/4 here.
+    assert result["eval_split"] == "test" and len(result["history"]) == 3
+    assert result["best_top1"] >= result["final_top1"] > 0.6
+    meta = json.loads((ft / "export_best" / "backbone.json").read_text())
+    assert meta["kwargs"]["img_size"] == 24 and meta["token_grid"] == [6, 6]

@@ -30,13 +30,22 @@ def parse(argv: list[str] | None, kind: str, description: str):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="YAML preset (see configs/); defaults apply where it is silent")
+    p.add_argument("--data", help="shard set folder (same as data.root=...)")
+    if kind == "finetune":
+        p.add_argument(
+            "--backbone", help="export folder or run directory to start from (model.init_from=...)"
+        )
     p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = p.parse_args(argv)
     overrides = list(args.overrides)
-    if not any(o.startswith("objective.kind=") for o in overrides) and kind == "supervised":
+    if kind != "mpp" and not any(o.startswith("objective.kind=") for o in overrides):
         overrides.insert(0, f"objective.kind={kind}")
+    if args.data:
+        overrides.append(f"data.root={args.data}")
+    if getattr(args, "backbone", None):
+        overrides.append(f"model.init_from={args.backbone}")
     return args, overrides
 
 
@@ -54,8 +63,10 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     header = "# " + shlex.join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])])
     try:
         cfg = load_config(args.config, overrides)
-        if kind == "supervised" and cfg.objective.kind == "mpp":
+        if kind == "supervised" and cfg.objective.kind not in ("supervised", "joint"):
             raise ConfigError("supervised_pretrain.py: objective.kind must be supervised or joint")
+        if kind == "finetune" and cfg.objective.kind != "finetune":
+            raise ConfigError("finetune.py: objective.kind must be finetune")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size=world)
         if args.check:

@@ -6,13 +6,14 @@ import math
 from pathlib import Path
 
 import torch
+from timm.optim import param_groups_layer_decay
 
 from ssl_vit.config import Config
-from ssl_vit.objectives import param_groups
+from ssl_vit.objectives import no_weight_decay_names, param_groups
 
 
-class SkippableAdamW(torch.optim.AdamW):
-    """AdamW whose next `step()` can be skipped, for steps with a non-finite loss.
+class _SkipNextStep:
+    """Lets the next `step()` be skipped, for steps with a non-finite loss.
 
     DeepSpeed calls the client optimizer's `step()` (also under ZeRO, on the fp32 partitions), so
     skipping here leaves weights and moments untouched however the engine wraps us.
@@ -26,6 +27,35 @@ class SkippableAdamW(torch.optim.AdamW):
             self.skip_next = False
             return None
         return super().step(closure)
+
+
+class SkippableAdamW(_SkipNextStep, torch.optim.AdamW):
+    pass
+
+
+class SkippableSGD(_SkipNextStep, torch.optim.SGD):
+    pass
+
+
+def _groups(module: torch.nn.Module, weight_decay: float, lr: float, layer_decay: float | None):
+    """Weight-decay groups; with `layer_decay`, the backbone's blocks get lr * decay^(depth-i)."""
+    if layer_decay is None:
+        return param_groups(module, weight_decay)
+    backbone = module.backbone
+    no_decay = no_weight_decay_names(backbone)
+    groups = param_groups_layer_decay(
+        backbone, weight_decay, no_weight_decay_list=no_decay, layer_decay=layer_decay
+    )
+    in_backbone = {id(p) for p in backbone.parameters()}
+    exempt = no_weight_decay_names(module)
+    rest = [(n, p) for n, p in module.named_parameters() if id(p) not in in_backbone]
+    groups += [  # the head (and any other non-backbone weights): full lr
+        {"params": [p for n, p in rest if n not in exempt], "weight_decay": weight_decay},
+        {"params": [p for n, p in rest if n in exempt], "weight_decay": 0.0},
+    ]
+    for g in groups:
+        g["lr"] = lr * g.pop("lr_scale", 1.0)
+    return [g for g in groups if g["params"]]
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -47,9 +77,13 @@ def effective_warmup(warmup_steps: int, total_steps: int) -> int:
 
 def make_optimizer(
     module: torch.nn.Module, cfg: Config, total_steps: int
-) -> tuple[SkippableAdamW, torch.optim.lr_scheduler.LambdaLR]:
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     o = cfg.optim
-    opt = SkippableAdamW(param_groups(module, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    groups = _groups(module, o.weight_decay, o.lr, o.layer_decay)
+    if o.name == "sgd":
+        opt = SkippableSGD(groups, lr=o.lr, momentum=o.momentum)
+    else:
+        opt = SkippableAdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
     warmup = effective_warmup(o.warmup_steps, total_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, warmup, total_steps, o.schedule, o.min_lr_ratio)

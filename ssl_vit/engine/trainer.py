@@ -20,23 +20,20 @@ from pathlib import Path
 
 import deepspeed
 import torch
-from torch import nn
 
 from ssl_vit.config import Config, ConfigError, local_batch, save_config
 from ssl_vit.data.manifest import Manifest, atomic_write_text, check_shards_exist, load_manifest
 from ssl_vit.data.stream import make_train_loader
 from ssl_vit.engine import checkpoint
+from ssl_vit.engine.build import build_from_config, export_run
 from ssl_vit.engine.distributed import all_reduce_sum, barrier, device_for, init_distributed
+from ssl_vit.engine.evaluate import InTrainingEvals
 from ssl_vit.engine.optim import (
-    SkippableAdamW,
     deepspeed_config,
     make_optimizer,
     resolve_precision,
 )
 from ssl_vit.engine.progress import MetricWindow, Progress, write_loss_plot
-from ssl_vit.models import build_backbone, export_backbone
-from ssl_vit.objectives import build_objective
-from ssl_vit.objectives.export import save_objective
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
 from ssl_vit.tracking import Tracker
 
@@ -63,28 +60,6 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> None:
             )
 
 
-def _build(cfg: Config, manifest: Manifest, in_chans: int) -> tuple[nn.Module, dict]:
-    """The objective (with its backbone) and the options it was built with."""
-    m, o = cfg.model, cfg.objective
-    backbone = build_backbone(
-        m.arch, img_size=m.img_size, in_chans=in_chans, patch_size=m.patch_size, **m.kwargs
-    )
-    mpp = {
-        "patch_size": m.patch_size,
-        "in_chans": in_chans,
-        "corrupt_ratio": o.corrupt_ratio,
-        "mask_prob": o.mask_prob,
-        "random_prob": o.random_prob,
-        "target": o.target,
-        "bits": o.bits,
-    }
-    sup = {"num_classes": manifest.num_classes, "label_smoothing": o.label_smoothing}
-    joint = {"mpp_weight": o.mpp_weight, "sup_weight": o.supervised_weight}
-    options = {"mpp": mpp, "supervised": sup, "joint": {**mpp, **sup, **joint}}[o.kind]
-    objective = build_objective(o.kind, backbone, mean=manifest.mean, std=manifest.std, **options)
-    return objective, options
-
-
 def _is_log_step(step: int, every: int, total: int) -> bool:
     return step % every == 0 or step == total
 
@@ -96,7 +71,7 @@ def _grad_norm(module: torch.nn.Module) -> float:
 
 def _train_step(
     engine: deepspeed.DeepSpeedEngine,
-    optimizer: SkippableAdamW,
+    optimizer: torch.optim.Optimizer,
     images: torch.Tensor,
     labels: torch.Tensor,
     micro: int,
@@ -152,7 +127,7 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
             "unlabelled; use objective.kind=mpp or a labelled shard set"
         )
     in_chans = cfg.model.in_chans or manifest.channels
-    if in_chans != manifest.channels:
+    if in_chans != manifest.channels and not cfg.model.init_from:
         raise ConfigError(
             f"model.in_chans={in_chans} but the shards in {cfg.data.root} have "
             f"{manifest.channels} channel(s); drop model.in_chans to follow the data"
@@ -168,14 +143,15 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
 
 
 def train(cfg: Config, header: str = "") -> Path:
-    """Pretrain as `cfg` says; returns the export folder. Every rank calls this."""
+    """Train as `cfg` says (pretraining or fine-tuning); returns the export folder.
+
+    Every rank calls this."""
     rank, local_rank, world = init_distributed()
     per_rank, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
     precision = resolve_precision(cfg.train.precision)
 
     manifest, steps_per_epoch, total_steps = check_data(cfg, world)
-    in_chans = cfg.model.in_chans or manifest.channels
 
     run_dir = Path(cfg.run.dir)
     ckpt_dir = run_dir / "checkpoints"
@@ -186,7 +162,7 @@ def train(cfg: Config, header: str = "") -> Path:
     barrier()
 
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    objective, objective_options = _build(cfg, manifest, in_chans)
+    objective, objective_options, spec = build_from_config(cfg, manifest)
     optimizer, scheduler = make_optimizer(objective, cfg, total_steps)
     ds_config = deepspeed_config(cfg, world, micro, accum, precision)
     if rank == 0:
@@ -225,7 +201,7 @@ def train(cfg: Config, header: str = "") -> Path:
     # every rank does the same work). The matmul peak is measured now, at the same precision.
     flops_per_step = peak = 0.0
     if rank == 0:
-        x = torch.rand(micro, in_chans, cfg.model.img_size, cfg.model.img_size, device=device)
+        x = torch.rand(micro, spec.in_chans, cfg.model.img_size, cfg.model.img_size, device=device)
         y = torch.zeros(micro, dtype=torch.long, device=device)
         with torch.autocast("cpu", torch.bfloat16, enabled=cpu_autocast):
             flops_per_step = count_train_flops(engine.module, x, y) * accum * world
@@ -238,6 +214,12 @@ def train(cfg: Config, header: str = "") -> Path:
     if rank == 0:
         window.truncate_file(metrics_file, step)  # drop lines past the checkpoint we resumed
     progress = Progress(total_steps, step, enabled=rank == 0)
+    evals = InTrainingEvals(
+        cfg, manifest, spec, rank, world, steps_per_epoch, total_steps, cpu_autocast, state,
+        export=lambda out, extra: export_run(
+            engine.module, spec, cfg.objective.kind, objective_options, out, extra, rank
+        ),
+    )  # fmt: skip
     nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
     nonfinite_total = int(state.get("nonfinite_total", 0))
 
@@ -297,45 +279,28 @@ def train(cfg: Config, header: str = "") -> Path:
                     with open(metrics_file, "a") as f:
                         f.write(json.dumps({"step": step, **row}) + "\n")
             progress.update(step, row)
+            evals.maybe_run(engine.module, step, tracker)
             if step % cfg.run.checkpoint_every == 0 or step == total_steps:
                 train_state = {
                     "step": step,
                     "nonfinite_in_row": nonfinite_in_row,
                     "nonfinite_total": nonfinite_total,
                     "world_size": world,
+                    **evals.state(),
                 }
                 checkpoint.save(engine, ckpt_dir, step, train_state, rank, cfg.run.keep_checkpoints)
         loader.set_epoch(step // loader.steps_per_epoch)
     progress.close()
 
     export_dir = run_dir / "export"
-    params = list(engine.module.parameters())  # ZeRO-3: gather the shards for the export
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        if rank == 0:
-            export_backbone(
-                engine.module.backbone,
-                export_dir,
-                arch=cfg.model.arch,
-                kwargs={
-                    "img_size": cfg.model.img_size,
-                    "in_chans": in_chans,
-                    "patch_size": cfg.model.patch_size,
-                    **cfg.model.kwargs,
-                },
-                mean=manifest.mean,
-                std=manifest.std,
-                extra={
-                    "mlflow_run_id": tracker.run_id,
-                    "step": step,
-                    "objective": cfg.objective.kind,
-                },
-            )
-            save_objective(engine.module, export_dir, cfg.objective.kind, objective_options)
+    extra = {"mlflow_run_id": tracker.run_id, "step": step, "objective": cfg.objective.kind}
+    export_run(engine.module, spec, cfg.objective.kind, objective_options, export_dir, extra, rank)
     if rank == 0:
         plot = write_loss_plot(metrics_file, run_dir / "loss_curve.png")
         tracker.log_artifact(export_dir, artifact_path="export")
         if plot is not None:
             tracker.log_artifact(plot)
+        evals.write_results(run_dir / "results.json", tracker)
         tracker.close()
         log.info(
             "done: %d steps; backbone exported to %s; MLflow run %s",

@@ -4,6 +4,7 @@
 - "mpp": MaskedPatchPrediction (paper sec. 4.6), ssl_vit.objectives.mpp
 - "supervised": SupervisedObjective (sec. 4.1), ssl_vit.objectives.supervised
 - "joint": JointObjective, loss = mpp_weight * MPP + sup_weight * supervised
+- "finetune": SupervisedObjective with the zero-initialised linear head (appendix B.1.1)
 
 Weight decay: `param_groups(objective, weight_decay)` gives the optimizer's two groups.
 """
@@ -30,7 +31,7 @@ __all__ = [
     "OBJECTIVES",
 ]
 
-OBJECTIVES = ("mpp", "supervised", "joint")
+OBJECTIVES = ("mpp", "supervised", "joint", "finetune")
 
 
 def _keywords(cls: type) -> set[str]:
@@ -49,6 +50,7 @@ def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
         target="mean_color", bits=3, downsize=4, normalize_pixels=False, head_hidden=None.
     supervised: num_classes, mean, std (required); label_smoothing=0.0, head_hidden=None.
     joint: the union of both, plus mpp_weight=1.0, sup_weight=1.0 (head_hidden goes to both).
+    finetune: as supervised, with the zero-initialised linear head (appendix B.1.1).
     """
     if kind not in OBJECTIVES:
         raise ValueError(f"objective {kind!r}: choose one of {OBJECTIVES}")
@@ -67,6 +69,8 @@ def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
             return MaskedPatchPrediction(backbone, **cfg)
         if kind == "supervised":
             return SupervisedObjective(backbone, **cfg)
+        if kind == "finetune":
+            return SupervisedObjective(backbone, **{"head": "linear", **cfg})
         weights = {k: cfg[k] for k in ("mpp_weight", "sup_weight") if k in cfg}
         return JointObjective(
             MaskedPatchPrediction(backbone, **_split(MaskedPatchPrediction, cfg)),

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_vit.models.heads import PretrainHead
+from ssl_vit.models.heads import FinetuneHead, PretrainHead
 from ssl_vit.objectives.mpp import MaskedPatchPrediction
 from ssl_vit.objectives.tokens import normalize
 
@@ -35,15 +35,23 @@ class SupervisedObjective(nn.Module):
         std: Sequence[float],
         label_smoothing: float = 0.0,
         head_hidden: int | None = None,
+        head: str = "mlp",
     ) -> None:
         super().__init__()
+        if head not in ("mlp", "linear"):
+            raise ValueError(f"head={head!r}: choose mlp (pretraining) or linear (fine-tuning)")
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         self.backbone = backbone
         self.num_classes = int(num_classes)
         self.label_smoothing = float(label_smoothing)
         dim = int(getattr(backbone, "head_hidden_size", backbone.num_features))
-        self.head = PretrainHead(dim, self.num_classes, head_hidden)
+        # Pretraining: MLP with one tanh hidden layer; fine-tuning: one zero-initialised linear
+        # layer (paper sec. 3.1).
+        if head == "mlp":
+            self.head = PretrainHead(dim, self.num_classes, head_hidden)
+        else:
+            self.head = FinetuneHead(dim, self.num_classes)
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
 
@@ -55,6 +63,10 @@ class SupervisedObjective(nn.Module):
         """images (B, C, H, W) in [0, 1] -> pooled features (B, D)."""
         x = normalize(images, self.mean, self.std)
         return self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
+
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """images (B, C, H, W) in [0, 1] -> class scores (B, K)."""
+        return self.head(self.features(images)).float()
 
     def loss_from_features(
         self, feats: torch.Tensor, labels: torch.Tensor

@@ -1,0 +1,93 @@
+"""From a config to an objective, and from a trained objective back to files (the export)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+from torch import nn
+
+from ssl_vit.config import Config, ConfigError
+from ssl_vit.data.manifest import Manifest
+from ssl_vit.models import build_backbone, export_backbone, load_backbone
+from ssl_vit.objectives import build_objective
+from ssl_vit.objectives.export import save_objective
+
+
+@dataclass
+class ModelSpec:
+    """What an export must record to rebuild the backbone (`build_backbone` arguments)."""
+
+    arch: str
+    kwargs: dict[str, Any]
+    in_chans: int
+    mean: list[float]
+    std: list[float]
+
+
+def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict, ModelSpec]:
+    """(objective with its backbone, the objective's options, the backbone's spec).
+
+    With `model.init_from` the backbone is the exported one (its arch, kwargs and input
+    normalisation win), its position embeddings resampled to `model.img_size`.
+    """
+    m, o = cfg.model, cfg.objective
+    if m.init_from:
+        try:
+            backbone, meta = load_backbone(m.init_from, img_size=m.img_size)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+        kwargs = {**meta["kwargs"], "img_size": m.img_size}
+        spec = ModelSpec(meta["arch"], kwargs, kwargs["in_chans"], meta["mean"], meta["std"])
+    else:
+        in_chans = m.in_chans or manifest.channels
+        kwargs = {"img_size": m.img_size, "in_chans": in_chans, "patch_size": m.patch_size}
+        kwargs.update(m.kwargs)
+        backbone = build_backbone(m.arch, **kwargs)
+        spec = ModelSpec(m.arch, kwargs, in_chans, manifest.mean, manifest.std)
+    mpp = {
+        "patch_size": kwargs.get("patch_size"),
+        "in_chans": spec.in_chans,
+        "corrupt_ratio": o.corrupt_ratio,
+        "mask_prob": o.mask_prob,
+        "random_prob": o.random_prob,
+        "target": o.target,
+        "bits": o.bits,
+    }
+    sup = {"num_classes": manifest.num_classes, "label_smoothing": o.label_smoothing}
+    joint = {"mpp_weight": o.mpp_weight, "sup_weight": o.supervised_weight}
+    options = {"mpp": mpp, "supervised": sup, "finetune": sup, "joint": {**mpp, **sup, **joint}}
+    objective = build_objective(o.kind, backbone, mean=spec.mean, std=spec.std, **options[o.kind])
+    return objective, options[o.kind], spec
+
+
+def classifier_of(objective: nn.Module) -> nn.Module | None:
+    """The part of an objective that predicts classes (`.logits`), if any."""
+    for candidate in (objective, getattr(objective, "supervised", None)):
+        if candidate is not None and hasattr(candidate, "logits"):
+            return candidate
+    return None
+
+
+def export_run(
+    objective: nn.Module,
+    spec: ModelSpec,
+    kind: str,
+    options: dict,
+    out_dir: Path,
+    extra: dict[str, Any],
+    rank: int,
+) -> None:
+    """Backbone (safetensors + backbone.json) and the objective's own weights, by rank 0.
+
+    Every rank must call this: under ZeRO-3 the parameters are gathered from all of them.
+    """
+    with deepspeed.zero.GatheredParameters(list(objective.parameters()), modifier_rank=None):
+        if rank == 0:
+            export_backbone(
+                objective.backbone, out_dir, arch=spec.arch, kwargs=spec.kwargs,
+                mean=spec.mean, std=spec.std, extra=extra,
+            )  # fmt: skip
+            save_objective(objective, out_dir, kind, options)

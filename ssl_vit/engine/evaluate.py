@@ -1,0 +1,178 @@
+"""Evaluations run inside training: classifier accuracy (fine-tuning, supervised) and the
+online kNN monitor that shows a self-supervised representation improving as it trains."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ssl_vit.config import Config, MonitorConfig
+from ssl_vit.data.manifest import Manifest, atomic_write_text
+from ssl_vit.data.stream import make_eval_loader
+from ssl_vit.engine.build import ModelSpec, classifier_of
+from ssl_vit.engine.distributed import all_reduce_sum, barrier
+from ssl_vit.evaluation.knn import knn_eval
+from ssl_vit.features import EvalBackbone, extract_features
+
+log = logging.getLogger("ssl_vit.train")
+
+
+@torch.no_grad()
+def classifier_accuracy(
+    objective: nn.Module,
+    root: str | Path,
+    split: str,
+    *,
+    img_size: int,
+    batch_size: int,
+    rank: int,
+    world: int,
+    num_workers: int,
+    autocast: bool,
+) -> float:
+    """Top-1 of `objective.logits` over a whole split, each rank scoring its part."""
+    device = next(objective.parameters()).device
+    was_training = objective.training
+    objective.eval()
+    loader = make_eval_loader(
+        root, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
+        rank=rank, world_size=world,
+    )  # fmt: skip
+    counts = torch.zeros(2, device=device)  # (correct, seen)
+    for images, labels in loader:
+        x = images.to(device).float().div_(255)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            pred = objective.logits(x).argmax(-1)
+        counts[0] += (pred.cpu() == labels).sum()
+        counts[1] += len(labels)
+    objective.train(was_training)
+    correct, seen = all_reduce_sum(counts).tolist()
+    return correct / max(seen, 1)
+
+
+def knn_monitor(
+    backbone: nn.Module,
+    mean: list[float],
+    std: list[float],
+    cfg: MonitorConfig,
+    root: str | Path,
+    img_size: int,
+    in_chans: int,
+) -> float:
+    """kNN top-1 (k = cfg.k, T = 0.07) of the current [class] features: a gallery of the first
+    `num_train` samples of the train split, queried by the first `num_eval` of the eval split."""
+    was_training = backbone.training
+    frozen = EvalBackbone(
+        model=backbone, meta={"mean": mean, "std": std}, ident="online", img_size=img_size,
+        in_chans=in_chans, source="training",
+    )  # fmt: skip
+    device = next(backbone.parameters()).device
+    sets = []
+    for split, n in ((cfg.train_split, cfg.num_train), (cfg.eval_split, cfg.num_eval)):
+        loader = make_eval_loader(root, split, batch_size=256, img_size=img_size, num_workers=0)
+        batches = itertools.islice(loader, -(-n // 256))
+        sets.append(extract_features(frozen, batches, device=device, desc=f"monitor {split}"))
+    backbone.train(was_training)
+    (gx, gy), (qx, qy) = sets
+    result = knn_eval(gx[: cfg.num_train], gy[: cfg.num_train], qx[: cfg.num_eval],
+                      qy[: cfg.num_eval], ks=(cfg.k,), retrieval=False)  # fmt: skip
+    return float(result[f"knn_top1@k={cfg.k}"])
+
+
+class InTrainingEvals:
+    """When to evaluate during training, what to log, and the best checkpoint's export.
+
+    - Classifier objectives (supervised, joint, finetune): top-1 on `run.eval_split` every
+      `run.eval_every` steps (0: each epoch) and at the end; the best is exported to
+      RUN/export_best (appendix B.1.1 keeps the best fine-tuning result).
+    - Any objective, with `monitor.knn_every > 0` and a labelled set: the online kNN monitor.
+    Called by every rank (the evaluation and the export are collective).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        manifest: Manifest,
+        spec: ModelSpec,
+        rank: int,
+        world: int,
+        steps_per_epoch: int,
+        total_steps: int,
+        autocast: bool,
+        state: dict,
+        export: Callable[[Path, dict], None],
+    ) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.img_size, self.in_chans, self.autocast = cfg.model.img_size, spec.in_chans, autocast
+        self.mean, self.std = spec.mean, spec.std
+        self.total, self.export = total_steps, export
+        self.every = cfg.run.eval_every or steps_per_epoch
+        self.split = cfg.run.eval_split or ("val" if "val" in manifest.splits else "test")
+        labelled = manifest.num_classes is not None
+        self.classify = cfg.objective.kind != "mpp" and self.split in manifest.splits
+        m = cfg.monitor
+        self.knn_every = m.knn_every if labelled else 0
+        if self.knn_every and not {m.train_split, m.eval_split} <= set(manifest.splits):
+            log.warning("monitor: splits %s/%s not in the shard set; kNN monitor off",
+                        m.train_split, m.eval_split)  # fmt: skip
+            self.knn_every = 0
+        if self.knn_every and cfg.train.zero_stage == 3:
+            log.warning("monitor: the kNN monitor needs whole weights on rank 0; off under ZeRO-3")
+            self.knn_every = 0
+        self.best_top1: float | None = state.get("best_top1")
+        self.best_step: int | None = state.get("best_step")
+        self.history: list[list[float]] = state.get("eval_history", [])
+
+    def maybe_run(self, objective: nn.Module, step: int, tracker) -> None:
+        metrics: dict[str, float] = {}
+        classifier = classifier_of(objective) if self.classify else None
+        if classifier is not None and (step % self.every == 0 or step == self.total):
+            top1 = classifier_accuracy(
+                classifier, self.cfg.data.root, self.split, img_size=self.img_size,
+                batch_size=256, rank=self.rank, world=self.world,
+                num_workers=min(2, self.cfg.data.num_workers), autocast=self.autocast,
+            )  # fmt: skip
+            self.history = [h for h in self.history if h[0] < step] + [[step, top1]]
+            metrics[f"eval/{self.split}_top1"] = top1
+            if self.best_top1 is None or top1 > self.best_top1:
+                self.best_top1, self.best_step = top1, step
+                extra = {"step": step, "eval_split": self.split, "eval_top1": top1}
+                self.export(Path(self.cfg.run.dir) / "export_best", extra)
+            metrics[f"eval/{self.split}_best_top1"] = self.best_top1
+        if self.knn_every and step % self.knn_every == 0:
+            if self.rank == 0:
+                metrics["monitor/knn_top1"] = knn_monitor(
+                    objective.backbone, self.mean, self.std, self.cfg.monitor,
+                    self.cfg.data.root, self.img_size, self.in_chans,
+                )  # fmt: skip
+            barrier()
+        if metrics and self.rank == 0:
+            tracker.log_metrics(metrics, step=step)
+            log.info("step %d %s", step, " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+
+    def state(self) -> dict:
+        return {
+            "best_top1": self.best_top1,
+            "best_step": self.best_step,
+            "eval_history": self.history,
+        }
+
+    def write_results(self, path: Path, tracker) -> None:
+        """RUN/results.json with the classifier's final and best top-1 (rank 0)."""
+        if self.rank != 0 or not self.history:
+            return
+        result = {
+            "eval_split": self.split,
+            "final_top1": self.history[-1][1],
+            "best_top1": self.best_top1,
+            "best_step": self.best_step,
+            "history": self.history,
+        }
+        atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+        tracker.log_artifact(path)
