@@ -1,4 +1,4 @@
-# ssl-vit: `make quickstart` (prepare Fashion-MNIST, pretrain a small ViT with MPP, export, evaluate)
+# ssl-vit: `make quickstart` (Fashion-MNIST shards, MPP-pretrain a small ViT, export, kNN eval)
 # and `make test`. Both create .venv on first use.
 PY      ?= python3
 VENV    ?= .venv
@@ -29,7 +29,15 @@ $(SHARDS)/manifest.json: | setup fashion-mnist
 	$(BIN)/python data_prep/make_shards.py $(FMNIST) $(SHARDS) --workers 2
 	$(BIN)/python data_prep/verify_shards.py $(SHARDS)
 
+# A few minutes of MPP pretraining on the CPU, then the exported backbone's kNN accuracy.
+# Rerunning resumes the run (and skips what is done).
 quickstart: setup fashion-mnist $(SHARDS)/manifest.json
+	$(BIN)/python pipelines/mpp_pretrain.py --config configs/fmnist_vit_tiny_mpp.yaml \
+	    run.dir=$(RUN) data.root=$(SHARDS) train.epochs=null train.steps=120 \
+	    optim.warmup_steps=20 run.checkpoint_every=40 run.log_every=10 monitor.knn_every=0
+	$(BIN)/python evals/knn.py --backbone $(RUN) --data $(SHARDS) --k 20 --out $(RUN)/knn.json
+	@echo "backbone: $(RUN)/export   kNN results: $(RUN)/knn.json"
+	@echo "MLflow:   $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (http://127.0.0.1:5000)"
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -279,8 +279,11 @@ def test_finetune_at_higher_resolution_beats_its_start(tiny_shards, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((ft / "results.json").read_text())
-    # The zero-initialised head starts by predicting class 0 for everything: ~1/4 here.
+    # The zero-initialised head starts by predicting class 0 for every image.
+    from conftest import toy_images
+
+    start = float((toy_images(128, 16, 4, seed=1)[1] == 0).mean())
     assert result["eval_split"] == "test" and len(result["history"]) == 3
-    assert result["best_top1"] >= result["final_top1"] > 0.6
+    assert result["best_top1"] >= result["final_top1"] > start + 0.1, (start, result)
     meta = json.loads((ft / "export_best" / "backbone.json").read_text())
     assert meta["kwargs"]["img_size"] == 24 and meta["token_grid"] == [6, 6]

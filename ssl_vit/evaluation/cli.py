@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -48,6 +49,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-chans", type=int, default=None, help="random init: input channels")
     p.add_argument("--patch-size", type=int, default=None, help="random init: patch size")
     p.add_argument("--seed", type=int, default=0, help="random init: weight seed")
+    p.add_argument(
+        "--model-kwargs",
+        type=json.loads,
+        default={},
+        help="random init: more build_backbone kwargs as JSON, e.g. '{\"depth\": 2}'",
+    )
     p.add_argument("--batch-size", type=int, default=256, help="feature extraction batch")
     p.add_argument("--workers", type=int, default=2, help="data loader workers")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="feature cache folder")
@@ -83,6 +90,7 @@ def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
         mean=m.mean,
         std=m.std,
         seed=args.seed,
+        **args.model_kwargs,
     )
 
 
