@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 DEFAULT_SHOTS = (1, 5, 10, 25)
-# A strong ridge: with 1-25 shots per class there are fewer examples than dimensions.
-DEFAULT_L2 = 1024.0
+# The paper gives no regularisation strength. On standardised features l2 = 1 is a mild ridge
+# (X^T X ~ n I); on a small MPP backbone's Fashion-MNIST features l2 in [0.01, 1] beat 32 and
+# 1024 at 5 and 25 shots. Sweep --l2 for a new feature family.
+DEFAULT_L2 = 1.0
 
 
 def pm1_targets(labels: np.ndarray, num_classes: int) -> torch.Tensor:
