@@ -25,6 +25,7 @@ from ssl_vit.data.stream import make_eval_loader
 from ssl_vit.inspect import inspect_model
 from ssl_vit.models import build_backbone, load_backbone, token_geometry
 from ssl_vit.objectives import MaskedPatchPrediction
+from ssl_vit.objectives.export import load_objective
 from ssl_vit.tracking import Tracker
 
 log = logging.getLogger("inspect_vit")
@@ -67,43 +68,13 @@ def read_images(data: Path, split: str, n: int, size: int, batch: int) -> torch.
     return torch.cat(out).float() / 255.0
 
 
-def load_mpp_objective(run_dir: Path, model: torch.nn.Module, mean, std) -> torch.nn.Module | None:
-    """The MPP objective of a pretraining run, its [mask] token and head read from the latest
-    DeepSpeed checkpoint (tensors only); None, with the reason logged, when there is none."""
-    from ssl_vit.config import load_config
-    from ssl_vit.engine.checkpoint import latest_tag
-
-    cfg_path, ckpt_dir = run_dir / "config.yaml", run_dir / "checkpoints"
-    if not cfg_path.is_file():
+def load_mpp_objective(path: Path, model: torch.nn.Module, mean, std) -> torch.nn.Module | None:
+    """The MPP objective exported beside the backbone ([mask] token and head), or None."""
+    objective = load_objective(path, model, mean, std)
+    objective = getattr(objective, "mpp", objective)  # a joint objective's MPP half
+    if not isinstance(objective, MaskedPatchPrediction):
+        log.warning("%s: the export holds no MPP head; skipping the MPP panel", path)
         return None
-    cfg = load_config(cfg_path)
-    o = cfg.objective
-    if o.kind not in ("mpp", "joint"):
-        return None
-    tag = latest_tag(ckpt_dir) if ckpt_dir.is_dir() else None
-    states = ckpt_dir / str(tag) / "mp_rank_00_model_states.pt"
-    if tag is None or not states.is_file():
-        log.warning("%s: no checkpoint with the MPP head; skipping the MPP panel", ckpt_dir)
-        return None
-    try:
-        module = torch.load(states, map_location="cpu", weights_only=True)["module"]
-    except Exception as e:  # a format torch's safe loader refuses: skip, never unpickle
-        log.warning("%s: cannot read the MPP head safely (%s); skipping the MPP panel", states, e)
-        return None
-    prefix = "mpp." if o.kind == "joint" else ""
-    head = {k[len(prefix) :]: v for k, v in module.items() if k.startswith(prefix)}
-    head = {k: v for k, v in head.items() if k == "mask_token" or k.startswith("head.")}
-    target = {"downsampled": "downsized_color"}.get(o.target, o.target)
-    objective = MaskedPatchPrediction(
-        model, mean=mean, std=std, corrupt_ratio=o.corrupt_ratio, mask_prob=o.mask_prob,
-        random_prob=o.random_prob, target=target, bits=o.bits,
-    )  # fmt: skip
-    missing = set(objective.state_dict()) - set(head) - {"mean", "std"}
-    missing = {k for k in missing if not k.startswith("backbone.")}
-    if missing or not head:
-        log.warning("%s: MPP weights %s not found; skipping the MPP panel", states, sorted(missing))
-        return None
-    objective.load_state_dict(head, strict=False)
     return objective
 
 
@@ -124,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_mpp:
             try:
                 mpp = load_mpp_objective(args.backbone, model, mean, std)
-            except (ValueError, RuntimeError) as e:  # an unreadable config or checkpoint
+            except (ValueError, KeyError) as e:  # an export that does not match
                 log.warning("%s: no MPP panel (%s)", args.backbone, e)
     else:
         size = args.img_size or (manifest.image_size[0] if manifest.image_size else None)
