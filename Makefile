@@ -44,3 +44,8 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# Every benchmark side by side, written to BENCHMARKS.md (needs the shards of `make quickstart`).
+bench: setup $(SHARDS)/manifest.json
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/run_all.py

@@ -75,8 +75,8 @@ def main() -> int:
         minutes = (time.time() - t0) / 60
         status = "" if proc.returncode == 0 else f" (FAILED, exit {proc.returncode})"
         body = proc.stdout.strip() or proc.stderr.strip()[-3000:]
-        parts += [f"## {name}{status}", "", what + ".", "",
-                  f"`{shlex.join(cmd)}` ({minutes:.1f} min)", "", "```", body, "```", ""]  # fmt: skip
+        header = f"`{shlex.join(cmd)}` ({minutes:.1f} min)"
+        parts += [f"## {name}{status}", "", what + ".", "", header, "", "```", body, "```", ""]
     args.out.write_text("\n".join(parts))
     print(f"wrote {args.out}")
     return 0
