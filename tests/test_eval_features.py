@@ -219,7 +219,8 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0]
     argv = ["--random-init", "vit_tiny_patch16_224", "--data", str(data), "--test-split", "val"]
-    assert knn.run_main(knn.main, [*argv, "--no-mlflow"]) == 2
+    argv += ["--no-mlflow", "--workers", "0", "--cache-dir", str(tmp_path / "cache")]
+    assert knn.run_main(knn.main, argv) == 2
     err = capsys.readouterr().err
     assert "manifest.json" in err and "'val'" in err
 
