@@ -10,6 +10,7 @@ import sys
 
 from ssl_vit.config import ConfigError, load_config, validate
 from ssl_vit.data.manifest import ManifestError
+from ssl_vit.engine.trainer import NonFiniteLossError, check_data, train
 
 EPILOG = """\
 overrides: any config key as key=value (YAML values), e.g.
@@ -70,15 +71,14 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size=world)
         if args.check:
-            from ssl_vit.engine.trainer import check_data
-
             check_data(cfg, world)
             print(f"ok: {args.config or 'defaults'} is valid for {world} rank(s)")
             return 0
-        from ssl_vit.engine.trainer import train
-
         train(cfg, header=header)
     except (ConfigError, ManifestError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0

@@ -223,91 +223,96 @@ def train(cfg: Config, header: str = "") -> Path:
     nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
     nonfinite_total = int(state.get("nonfinite_total", 0))
 
-    loader = make_train_loader(
-        cfg.data.root,
-        cfg.data.split,
-        global_batch=cfg.train.global_batch,
-        rank=rank,
-        world_size=world,
-        num_workers=cfg.data.num_workers,
-        img_size=cfg.model.img_size,
-        seed=cfg.run.seed,
-        epoch=step // steps_per_epoch,
-        skip_batches=step % steps_per_epoch,
-        augment=cfg.data.augment,
-        scale=cfg.data.crop_scale,
-        hflip=cfg.data.hflip,
-        missing=cfg.data.missing_shards,
-    )
-    while step < total_steps:
-        batches = iter(loader)
-        while step < total_steps:
-            t0 = time.perf_counter()
-            images, labels = next(batches, (None, None))
-            if images is None:
-                break
-            t_data = time.perf_counter() - t0
-            torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + step)
-            log_now = _is_log_step(step + 1, cfg.run.log_every, total_steps)
-            finite, grad_norm = _train_step(
-                engine, optimizer, images, labels, micro, cpu_autocast, window, log_now
-            )
-            step += 1
-            nonfinite_in_row = 0 if finite else nonfinite_in_row + 1
-            nonfinite_total += not finite
-            if nonfinite_in_row >= cfg.run.max_nonfinite_steps:
-                raise NonFiniteLossError(
-                    f"{nonfinite_in_row} steps in a row had a non-finite loss (at step {step}); "
-                    f"stopping. The last good checkpoint is kept in {ckpt_dir}; lower optim.lr "
-                    "or check the data"
-                )
-            window.end_step(t_data)
-            row = None
-            if log_now:
-                extra = {
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm,
-                    "epoch": step / loader.steps_per_epoch,
-                    "samples_seen": step * cfg.train.global_batch,
-                    "nonfinite_steps": nonfinite_total,
-                    "skipped_samples": loader.num_skipped,
-                }
-                row = window.flush(extra, flops_per_step, peak, world)
-                if rank == 0:
-                    _save_run_id(tracker, run_id_file)
-                    tracker.log_metrics(row, step=step)
-                    with open(metrics_file, "a") as f:
-                        f.write(json.dumps({"step": step, **row}) + "\n")
-            progress.update(step, row)
-            evals.maybe_run(engine.module, step, tracker)
-            if step % cfg.run.checkpoint_every == 0 or step == total_steps:
-                train_state = {
-                    "step": step,
-                    "nonfinite_in_row": nonfinite_in_row,
-                    "nonfinite_total": nonfinite_total,
-                    "world_size": world,
-                    **evals.state(),
-                }
-                checkpoint.save(engine, ckpt_dir, step, train_state, rank, cfg.run.keep_checkpoints)
-        loader.set_epoch(step // loader.steps_per_epoch)
-    progress.close()
-
-    export_dir = run_dir / "export"
-    extra = {"mlflow_run_id": tracker.run_id, "step": step, "objective": cfg.objective.kind}
-    export_run(engine.module, spec, cfg.objective.kind, objective_options, export_dir, extra, rank)
-    if rank == 0:
-        plot = write_loss_plot(metrics_file, run_dir / "loss_curve.png")
-        tracker.log_artifact(export_dir, artifact_path="export")
-        if plot is not None:
-            tracker.log_artifact(plot)
-        evals.write_results(run_dir / "results.json", tracker)
-        tracker.close()
-        log.info(
-            "done: %d steps; backbone exported to %s; MLflow run %s",
-            step,
-            export_dir,
-            tracker.run_id,
+    with tracker:  # ends the MLflow run as FAILED (or KILLED) if training raises
+        loader = make_train_loader(
+            cfg.data.root,
+            cfg.data.split,
+            global_batch=cfg.train.global_batch,
+            rank=rank,
+            world_size=world,
+            num_workers=cfg.data.num_workers,
+            img_size=cfg.model.img_size,
+            seed=cfg.run.seed,
+            epoch=step // steps_per_epoch,
+            skip_batches=step % steps_per_epoch,
+            augment=cfg.data.augment,
+            scale=cfg.data.crop_scale,
+            hflip=cfg.data.hflip,
+            missing=cfg.data.missing_shards,
         )
+        while step < total_steps:
+            batches = iter(loader)
+            while step < total_steps:
+                t0 = time.perf_counter()
+                images, labels = next(batches, (None, None))
+                if images is None:
+                    break
+                t_data = time.perf_counter() - t0
+                torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + step)
+                log_now = _is_log_step(step + 1, cfg.run.log_every, total_steps)
+                finite, grad_norm = _train_step(
+                    engine, optimizer, images, labels, micro, cpu_autocast, window, log_now
+                )
+                step += 1
+                nonfinite_in_row = 0 if finite else nonfinite_in_row + 1
+                nonfinite_total += not finite
+                if nonfinite_in_row >= cfg.run.max_nonfinite_steps:
+                    raise NonFiniteLossError(
+                        f"{nonfinite_in_row} steps in a row had a non-finite loss (at step "
+                        f"{step}); stopping. The last good checkpoint is kept in {ckpt_dir}; "
+                        "lower optim.lr or check the data"
+                    )
+                window.end_step(t_data)
+                row = None
+                if log_now:
+                    extra = {
+                        "lr": scheduler.get_last_lr()[0],
+                        "grad_norm": grad_norm,
+                        "epoch": step / loader.steps_per_epoch,
+                        "samples_seen": step * cfg.train.global_batch,
+                        "nonfinite_steps": nonfinite_total,
+                        "skipped_samples": loader.num_skipped,
+                    }
+                    row = window.flush(extra, flops_per_step, peak, world)
+                    if rank == 0:
+                        _save_run_id(tracker, run_id_file)
+                        tracker.log_metrics(row, step=step)
+                        with open(metrics_file, "a") as f:
+                            f.write(json.dumps({"step": step, **row}) + "\n")
+                progress.update(step, row)
+                evals.maybe_run(engine.module, step, tracker)
+                if step % cfg.run.checkpoint_every == 0 or step == total_steps:
+                    train_state = {
+                        "step": step,
+                        "nonfinite_in_row": nonfinite_in_row,
+                        "nonfinite_total": nonfinite_total,
+                        "world_size": world,
+                        **evals.state(),
+                    }
+                    checkpoint.save(
+                        engine, ckpt_dir, step, train_state, rank, cfg.run.keep_checkpoints
+                    )
+            loader.set_epoch(step // loader.steps_per_epoch)
+        progress.close()
+
+        export_dir = run_dir / "export"
+        extra = {"mlflow_run_id": tracker.run_id, "step": step, "objective": cfg.objective.kind}
+        export_run(
+            engine.module, spec, cfg.objective.kind, objective_options, export_dir, extra, rank
+        )
+        if rank == 0:
+            plot = write_loss_plot(metrics_file, run_dir / "loss_curve.png")
+            tracker.log_artifact(export_dir, artifact_path="export")
+            if plot is not None:
+                tracker.log_artifact(plot)
+            evals.write_results(run_dir / "results.json", tracker)
+            tracker.close()
+            log.info(
+                "done: %d steps; backbone exported to %s; MLflow run %s",
+                step,
+                export_dir,
+                tracker.run_id,
+            )
     barrier()
     sys.stdout.flush()
     return export_dir
