@@ -44,6 +44,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Every benchmark side by side, written to BENCHMARKS.md (needs the shards of `make quickstart`).
 bench: setup $(SHARDS)/manifest.json

@@ -2,6 +2,8 @@
 
     python pipelines/mpp_pretrain.py --config configs/fmnist_vit_tiny_mpp.yaml
     deepspeed --num_gpus 8 pipelines/mpp_pretrain.py --config configs/vit_b16_imagenet_mpp.yaml
+
+Every option is a config key, overridable as key=value; --help lists the flags.
 """
 
 import sys

@@ -2,6 +2,8 @@
 
     python pipelines/supervised_pretrain.py --config configs/fmnist_vit_tiny_supervised.yaml
     python pipelines/supervised_pretrain.py --config ... objective.kind=joint
+
+Every option is a config key, overridable as key=value; --help lists the flags.
 """
 
 import sys
