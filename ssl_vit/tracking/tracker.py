@@ -1,4 +1,4 @@
-"""MLflow tracking on rank 0, tolerant of an unreachable server (shared contract 5).
+"""The Tracker: MLflow tracking on rank 0, tolerant of an unreachable server (shared contract 5).
 
 Public API:
 
@@ -40,26 +40,21 @@ System metrics (CPU, memory, disk, network, GPU when present; needs psutil) are 
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import queue
-import shutil
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+from ssl_vit.tracking.spool import _read_header, _Spool, replay_file
+from ssl_vit.tracking.store import MAX_METRICS, _send_or_raise, _Store, _Unreachable
+
+log = logging.getLogger("ssl_vit.tracking")
 DEFAULT_URI = "sqlite:///mlflow.db"
 MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH (500 before MLflow 1.x)
-MAX_METRICS = 1000  # per log_batch
-MAX_PARAMS = 100  # per log_batch
-COPY_LIMIT = 64 << 20  # spooled artifacts up to this size are copied, larger ones referenced
 _STOP = object()
 
 
@@ -73,188 +68,6 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[key] = str(v)[:MAX_PARAM_LEN]
     return out
-
-
-class _Unreachable(Exception):
-    pass
-
-
-class _Store:
-    """The MLflow side: find or create the run, send events with per-key step dedupe."""
-
-    def __init__(self, uri: str) -> None:
-        from mlflow.tracking import MlflowClient
-
-        self.uri = uri
-        self.client = MlflowClient(uri)
-        self.last: dict[str, int] = {}
-        self.start_time: float | None = None
-
-    def reachable(self) -> bool:
-        try:
-            self.client.search_experiments(max_results=1)
-            return True
-        except Exception:
-            return False
-
-    def connect(self, header: dict) -> str:
-        """Get (or create) the run; read the last stored step per metric key."""
-        from mlflow.exceptions import MlflowException
-
-        run = None
-        if header.get("run_id"):
-            try:
-                run = self.client.get_run(header["run_id"])
-            except MlflowException as e:
-                if not self.reachable():
-                    raise
-                log.warning(
-                    "run %s not in %s (%s); starting a new run", header["run_id"], self.uri, e
-                )
-        if run is None:
-            exp = self.client.get_experiment_by_name(header["experiment"])
-            exp_id = (
-                exp.experiment_id if exp else self.client.create_experiment(header["experiment"])
-            )
-            run = self.client.create_run(
-                exp_id, run_name=header.get("run_name"), tags=header.get("tags") or {}
-            )
-        elif run.info.status != "RUNNING":
-            self.client.update_run(run.info.run_id, status="RUNNING")
-        self.last = {m.key: m.step for m in run.data._metric_objs}  # latest step per key
-        self.start_time = run.info.start_time / 1000
-        return run.info.run_id
-
-    def send(self, run_id: str, ev: dict) -> None:
-        from mlflow.entities import Metric, Param, RunTag
-
-        kind = ev["type"]
-        if kind == "metrics":
-            fresh = [m for m in ev["metrics"] if m[3] > self.last.get(m[0], -(2**62))]
-            for i in range(0, len(fresh), MAX_METRICS):
-                chunk = fresh[i : i + MAX_METRICS]
-                self.client.log_batch(run_id, metrics=[Metric(*m) for m in chunk])
-                for key, _, _, step in chunk:
-                    self.last[key] = max(step, self.last.get(key, step))
-        elif kind in ("params", "tags"):
-            items = list(ev["items"].items())
-            for i in range(0, len(items), MAX_PARAMS):
-                chunk = items[i : i + MAX_PARAMS]
-                if kind == "params":
-                    self.client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
-                else:
-                    self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in chunk])
-        elif kind == "artifact":
-            path = Path(ev["path"])
-            if path.is_dir():
-                self.client.log_artifacts(run_id, str(path), ev.get("artifact_path"))
-            elif path.is_file():
-                self.client.log_artifact(run_id, str(path), ev.get("artifact_path"))
-            else:
-                log.warning("artifact %s no longer exists; not logged", path)
-        elif kind == "end":
-            self.client.set_terminated(run_id, ev["status"], end_time=ev.get("time"))
-
-
-class _Spool:
-    """Append-only JSONL of events the store did not take yet: header line, then events."""
-
-    def __init__(self, root: Path, header: dict) -> None:
-        self.root, self.header = root, dict(header)
-        self.lock = threading.Lock()
-        self.name = header.get("run_id") or f"new-{uuid.uuid4().hex[:12]}"
-
-    @property
-    def path(self) -> Path:
-        return self.root / f"{self.name}.jsonl"
-
-    def append(self, events: Iterable[dict]) -> None:
-        with self.lock:
-            self.root.mkdir(parents=True, exist_ok=True)
-            new = not self.path.exists()
-            with open(self.path, "a", encoding="utf-8") as f:
-                if new:
-                    f.write(json.dumps({"type": "run", **self.header}) + "\n")
-                for ev in events:
-                    f.write(json.dumps(self._keep_artifact(ev)) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-
-    def _keep_artifact(self, ev: dict) -> dict:
-        if ev["type"] != "artifact" or not Path(ev["path"]).is_file():
-            return ev
-        src = Path(ev["path"])
-        if src.stat().st_size > COPY_LIMIT:
-            return ev
-        dst = self.root / "artifacts" / uuid.uuid4().hex[:12] / src.name
-        dst.parent.mkdir(parents=True)
-        shutil.copy2(src, dst)
-        return {**ev, "path": str(dst.resolve())}
-
-    def reject(self, ev: dict, err: Exception) -> None:
-        log.warning("MLflow rejected a %s event (%s); kept in %s", ev["type"], err, self.root)
-        with self.lock:
-            self.root.mkdir(parents=True, exist_ok=True)
-            with open(self.root / "rejected.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps({**ev, "error": str(err)[:500]}) + "\n")
-
-
-# Error codes meaning "the store refuses this event" (retrying cannot help). Anything else
-# (connection refused, timeout, 5xx, a locked SQLite file) counts as an outage: spool and retry.
-_REJECTED = {
-    "INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS",
-    "INVALID_STATE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED",
-}  # fmt: skip
-
-
-def _send_or_raise(store: _Store, run_id: str, ev: dict, spool: _Spool) -> None:
-    """Send; an outage raises _Unreachable, a rejection goes to rejected.jsonl."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        store.send(run_id, ev)
-    except Exception as e:
-        if isinstance(e, MlflowException) and e.error_code in _REJECTED and store.reachable():
-            spool.reject(ev, e)
-        else:
-            raise _Unreachable(f"{type(e).__name__}: {str(e)[:300]}") from None
-
-
-def replay_file(
-    path: Path,
-    tracking_uri: str | None = None,
-    *,
-    store: _Store | None = None,
-    run_id: str | None = None,
-) -> tuple[str, int]:
-    """Push one spool file to its store (or `tracking_uri`); return (run_id, events sent).
-    `store` and `run_id` (both or neither) reuse a connection made by a Tracker."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    events = []
-    for n, line in enumerate(lines, 1):
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a crash mid-write
-            log.warning("%s:%d: not valid JSON, skipped", path, n)
-    if not events or events[0].get("type") != "run":
-        raise ValueError(f"{path}: no header line; not an ssl-vit MLflow spool file")
-    header = events.pop(0)
-    sidecar = path.with_name(path.name + ".run_id")  # a run created by an interrupted replay
-    if not header.get("run_id") and sidecar.is_file():
-        header["run_id"] = sidecar.read_text().strip()
-    if store is None or run_id is None:
-        store = _Store(tracking_uri or header["tracking_uri"])
-        if not store.reachable():
-            raise _Unreachable(f"{store.uri} is not reachable; start it and replay again")
-        run_id = store.connect(header)
-    if not header.get("run_id"):
-        sidecar.write_text(run_id)
-    spool = _Spool(path.parent, header)
-    for ev in events:
-        _send_or_raise(store, run_id, ev, spool)
-    path.rename(path.with_name(f"{path.name}.done-{time.strftime('%Y%m%dT%H%M%S')}"))
-    sidecar.unlink(missing_ok=True)
-    return run_id, len(events)
 
 
 class Tracker:
@@ -477,47 +290,3 @@ def _absolute_uri(uri: str) -> str:
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         return prefix + str(Path(uri[len(prefix) :]).resolve())
     return uri
-
-
-def _read_header(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            head = json.loads(f.readline())
-        return head if isinstance(head, dict) else {}
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m ssl_vit.tracking", description=__doc__.split("\n")[0]
-    )
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    rp = sub.add_parser(
-        "replay", help="push spooled MLflow events (SPOOL_DIR/*.jsonl) to the store"
-    )
-    rp.add_argument("spool_dir", type=Path, help="the Tracker's spool_dir")
-    rp.add_argument(
-        "--tracking-uri", default=None, help="store to push to (default: the spooled one)"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    files = sorted(p for p in args.spool_dir.glob("*.jsonl") if p.name != "rejected.jsonl")
-    if not args.spool_dir.is_dir():
-        print(f"error: {args.spool_dir}: no such folder", file=sys.stderr)
-        return 2
-    failed = 0
-    for path in files:
-        try:
-            run_id, n = replay_file(path, args.tracking_uri)
-            print(f"{path}: {n} events -> run {run_id}")
-        except (_Unreachable, ValueError) as e:
-            print(f"error: {path}: {e}", file=sys.stderr)
-            failed += 1
-    if not files:
-        print(f"{args.spool_dir}: nothing to replay")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

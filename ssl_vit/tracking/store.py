@@ -1,0 +1,121 @@
+"""The MLflow side of tracking: find or create the run, send events, tell outage from rejection.
+
+`_Store.send` dedupes metrics per key by step against what the run already holds;
+`_send_or_raise` turns an outage into `_Unreachable` (spool and retry) and a rejection
+(retrying cannot help) into a line in the spool's `rejected.jsonl`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ssl_vit.tracking.spool import _Spool
+
+log = logging.getLogger("ssl_vit.tracking")
+MAX_METRICS = 1000  # per log_batch
+MAX_PARAMS = 100  # per log_batch
+
+
+class _Unreachable(Exception):
+    pass
+
+
+class _Store:
+    """The MLflow side: find or create the run, send events with per-key step dedupe."""
+
+    def __init__(self, uri: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        self.client = MlflowClient(uri)
+        self.last: dict[str, int] = {}
+        self.start_time: float | None = None
+
+    def reachable(self) -> bool:
+        try:
+            self.client.search_experiments(max_results=1)
+            return True
+        except Exception:
+            return False
+
+    def connect(self, header: dict) -> str:
+        """Get (or create) the run; read the last stored step per metric key."""
+        from mlflow.exceptions import MlflowException
+
+        run = None
+        if header.get("run_id"):
+            try:
+                run = self.client.get_run(header["run_id"])
+            except MlflowException as e:
+                if not self.reachable():
+                    raise
+                log.warning(
+                    "run %s not in %s (%s); starting a new run", header["run_id"], self.uri, e
+                )
+        if run is None:
+            exp = self.client.get_experiment_by_name(header["experiment"])
+            exp_id = (
+                exp.experiment_id if exp else self.client.create_experiment(header["experiment"])
+            )
+            run = self.client.create_run(
+                exp_id, run_name=header.get("run_name"), tags=header.get("tags") or {}
+            )
+        elif run.info.status != "RUNNING":
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        self.last = {m.key: m.step for m in run.data._metric_objs}  # latest step per key
+        self.start_time = run.info.start_time / 1000
+        return run.info.run_id
+
+    def send(self, run_id: str, ev: dict) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        kind = ev["type"]
+        if kind == "metrics":
+            fresh = [m for m in ev["metrics"] if m[3] > self.last.get(m[0], -(2**62))]
+            for i in range(0, len(fresh), MAX_METRICS):
+                chunk = fresh[i : i + MAX_METRICS]
+                self.client.log_batch(run_id, metrics=[Metric(*m) for m in chunk])
+                for key, _, _, step in chunk:
+                    self.last[key] = max(step, self.last.get(key, step))
+        elif kind in ("params", "tags"):
+            items = list(ev["items"].items())
+            for i in range(0, len(items), MAX_PARAMS):
+                chunk = items[i : i + MAX_PARAMS]
+                if kind == "params":
+                    self.client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
+                else:
+                    self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in chunk])
+        elif kind == "artifact":
+            path = Path(ev["path"])
+            if path.is_dir():
+                self.client.log_artifacts(run_id, str(path), ev.get("artifact_path"))
+            elif path.is_file():
+                self.client.log_artifact(run_id, str(path), ev.get("artifact_path"))
+            else:
+                log.warning("artifact %s no longer exists; not logged", path)
+        elif kind == "end":
+            self.client.set_terminated(run_id, ev["status"], end_time=ev.get("time"))
+
+
+# Error codes meaning "the store refuses this event" (retrying cannot help). Anything else
+# (connection refused, timeout, 5xx, a locked SQLite file) counts as an outage: spool and retry.
+_REJECTED = {
+    "INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS",
+    "INVALID_STATE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED",
+}  # fmt: skip
+
+
+def _send_or_raise(store: _Store, run_id: str, ev: dict, spool: _Spool) -> None:
+    """Send; an outage raises _Unreachable, a rejection goes to rejected.jsonl."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        store.send(run_id, ev)
+    except Exception as e:
+        if isinstance(e, MlflowException) and e.error_code in _REJECTED and store.reachable():
+            spool.reject(ev, e)
+        else:
+            raise _Unreachable(f"{type(e).__name__}: {str(e)[:300]}") from None
