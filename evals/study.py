@@ -26,6 +26,7 @@ STUDY = Path("runs/study")
 SHARDS = "shards/fashion-mnist"
 PRETRAIN_STEPS = 470  # 2 epochs of the 60k training images at batch 256
 FINETUNE_STEPS = 470  # 1 epoch at batch 128, 42 px
+CHECKPOINT_EVERY = 50  # a stop costs at most a few minutes of a run
 MPP = "configs/fmnist_vit_tiny_mpp.yaml"
 SUP = "configs/fmnist_vit_tiny_supervised.yaml"
 FT = "configs/fmnist_finetune.yaml"
@@ -48,7 +49,8 @@ class Step:
 def _pretrain(name: str, config: str, script: str, *overrides: str) -> Step:
     run = STUDY / name
     argv = [script, "--config", config, f"run.dir={run}", f"data.root={SHARDS}",
-            "train.epochs=null", f"train.steps={PRETRAIN_STEPS}", *overrides]  # fmt: skip
+            "train.epochs=null", f"train.steps={PRETRAIN_STEPS}",
+            f"run.checkpoint_every={CHECKPOINT_EVERY}", *overrides]  # fmt: skip
     return Step(name, argv, run / "export" / "objective.json")
 
 
@@ -68,7 +70,8 @@ def _evals(name: str, backbone: list[str]) -> list[Step]:
 def _finetune(name: str, init: str | None) -> Step:
     run = STUDY / name
     argv = ["evals/finetune.py", "--config", FT, f"run.dir={run}", f"data.root={SHARDS}",
-            "train.epochs=null", f"train.steps={FINETUNE_STEPS}"]  # fmt: skip
+            "train.epochs=null", f"train.steps={FINETUNE_STEPS}",
+            f"run.checkpoint_every={CHECKPOINT_EVERY}"]  # fmt: skip
     if init is None:  # the same ViT from scratch at 42 px, same steps
         argv += ["model.init_from=null", "model.patch_size=7",
                  "model.kwargs={embed_dim: 128, depth: 6, num_heads: 4}"]  # fmt: skip
@@ -83,6 +86,7 @@ def plan() -> list[Step]:
     return [
         _pretrain("mpp50", MPP, py),
         *_evals("mpp50", ["--backbone", str(STUDY / "mpp50")]),
+        *_evals("pixels", ["--raw-pixels"]),
         *_evals("random", RANDOM),
         _pretrain("supervised", SUP, "pipelines/supervised_pretrain.py"),
         *_evals("supervised", ["--backbone", str(STUDY / "supervised")]),
@@ -95,6 +99,8 @@ def plan() -> list[Step]:
         *_evals("mpp_downsized", ["--backbone", str(STUDY / "mpp_downsized")]),
         _pretrain("mpp_pixels", MPP, py, "objective.target=pixels"),
         *_evals("mpp_pixels", ["--backbone", str(STUDY / "mpp_pixels")]),
+        # Why the evals pool patch tokens after MPP: the same backbone read at its [class] token.
+        *_evals("mpp50_cls", ["--backbone", str(STUDY / "mpp50"), "--pool", "cls"]),
     ]
 
 

@@ -70,6 +70,7 @@ def _machine() -> str:
 
 def write_report(plan: list, timings: dict[str, float], study: Path, out: Path) -> None:
     rows = [
+        ("raw pixels (probe = logistic regression)", "pixels", None),
         ("random-init ViT (frozen)", "random", None),
         ("MPP, 50% corrupted, 3-bit mean colour", "mpp50", "ft_mpp50"),
         ("supervised pretraining on the labels", "supervised", "ft_supervised"),
@@ -80,6 +81,7 @@ def write_report(plan: list, timings: dict[str, float], study: Path, out: Path) 
         ("MPP 15% (BERT's rate)", "mpp15"),
         ("target: 4x4 downsized patch, 3-bit", "mpp_downsized"),
         ("target: L2 on pixels", "mpp_pixels"),
+        ("MPP 50%, read at the [class] token", "mpp50_cls"),
     ]
     lines = [
         "# Results: the ViT paper's MPP study on Fashion-MNIST",
@@ -88,7 +90,10 @@ def write_report(plan: list, timings: dict[str, float], study: Path, out: Path) 
         "run`; do not edit by hand. Test accuracy (%) on the 10k test images after pretraining on "
         "the 60k training images. Model: a small ViT (D 128, 6 blocks, 4 heads), 7x7 patches "
         "at 28 px (configs/fmnist_vit_tiny_mpp.yaml); every pretraining gets the same budget "
-        "of steps at batch 256; fine-tuning runs at 42 px (configs/fmnist_finetune.yaml).",
+        "of steps at batch 256; fine-tuning runs at 42 px (configs/fmnist_finetune.yaml). "
+        "Frozen features are pooled with `--pool auto`: the [class] token after supervised "
+        "pretraining, the mean of the patch tokens after MPP and for the random init (MPP's "
+        "loss never reaches the [class] token; the last ablation row shows the difference).",
         f"Machine: {_machine()}.",
         "",
         "## Methods",

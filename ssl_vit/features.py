@@ -33,7 +33,11 @@ from ssl_vit.data.manifest import MANIFEST_NAME, load_manifest, sha256_file
 
 log = logging.getLogger(__name__)
 
-POOLS = ("cls", "mean", "lastn")
+POOLS = ("auto", "cls", "mean", "lastn")
+# Objectives whose loss reaches the [class] token. MPP's loss sits on the corrupted patch tokens
+# only (paper sec. 4.6), so after MPP the [class] output is never trained and "auto" pools the
+# patch tokens instead.
+CLS_TRAINING_OBJECTIVES = ("supervised", "joint", "finetune")
 CACHE_FORMAT = 1
 DEFAULT_CACHE_DIR = ".cache/features"
 
@@ -61,6 +65,39 @@ class FeatureSet:
     labels: np.ndarray  # (N,) int64, -1 when unlabelled
     cache_hit: bool = False
     seconds: float = 0.0
+
+
+class RawPixels(nn.Module):
+    """The baseline that learns nothing: its features are the normalised pixels, (B, C*H*W)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+
+def raw_pixels_backbone(
+    *, img_size: int, in_chans: int, mean: list[float], std: list[float]
+) -> EvalBackbone:
+    """Raw pixels as features: the floor that a pretrained backbone has to clear."""
+    meta = {"arch": "raw-pixels", "kwargs": {"img_size": img_size, "in_chans": in_chans},
+            "mean": mean, "std": std}  # fmt: skip
+    return EvalBackbone(
+        RawPixels(), meta, f"pixels:{in_chans}x{img_size}", img_size, in_chans, "raw-pixels"
+    )
+
+
+def resolve_pool(backbone: EvalBackbone, pool: str) -> str:
+    """The pooling that "auto" means for this backbone; other values pass through.
+
+    [class] token when the pretraining objective trained it (supervised, joint, fine-tuned),
+    otherwise the mean of the patch tokens (MPP, random init, backbones without [class]).
+    """
+    if isinstance(backbone.model, RawPixels):
+        return "pixels"
+    if pool != "auto":
+        return pool
+    has_cls = getattr(backbone.model, "cls_token", None) is not None
+    trained = backbone.meta.get("objective") in CLS_TRAINING_OBJECTIVES
+    return "cls" if has_cls and trained else "mean"
 
 
 def _weights_file(path: Path) -> Path:
@@ -145,6 +182,8 @@ def _last_n_cls(model: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
 
 def pool_tokens(model: nn.Module, x: torch.Tensor, pool: str, n_last: int = 4) -> torch.Tensor:
     """Features (B, D') of normalised images x (B, C, H, W)."""
+    if isinstance(model, RawPixels):
+        return model(x)
     has_cls = bool(getattr(model, "cls_token", None) is not None)
     if pool in ("cls", "lastn") and not has_cls:
         raise FeatureError(f"pool {pool!r} needs a [class] token; this backbone has none, use mean")
@@ -168,7 +207,7 @@ def extract_features(
     backbone: EvalBackbone,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     *,
-    pool: str = "cls",
+    pool: str = "auto",
     n_last: int = 4,
     device: torch.device | None = None,
     bf16: bool | None = None,
@@ -186,6 +225,7 @@ def extract_features(
     """
     device = device or default_device()
     bf16 = (device.type == "cuda") if bf16 is None else bf16
+    pool = resolve_pool(backbone, pool)
     model = backbone.model.to(device).eval()
     mean = torch.tensor(backbone.meta["mean"], dtype=torch.float32, device=device)
     std = torch.tensor(backbone.meta["std"], dtype=torch.float32, device=device)
@@ -278,7 +318,7 @@ def split_features(
     data: str | os.PathLike,
     split: str,
     *,
-    pool: str = "cls",
+    pool: str = "auto",
     n_last: int = 4,
     batch_size: int = 256,
     num_workers: int = 2,
@@ -287,7 +327,8 @@ def split_features(
     bf16: bool | None = None,
 ) -> FeatureSet:
     """Frozen features and labels of one split of a shard set, cached."""
-    if pool not in POOLS:
+    pool = resolve_pool(backbone, pool)
+    if pool not in (*POOLS, "pixels"):
         raise FeatureError(f"unknown pool {pool!r}; choose one of {POOLS}")
     manifest = load_manifest(data)
     info = manifest.split(split)  # raises naming the manifest and the splits it has

@@ -15,7 +15,13 @@ import webdataset as wds
 from PIL import Image
 
 from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, sha256_file, write_manifest
-from ssl_vit.features import cached, extract_features, random_backbone
+from ssl_vit.features import (
+    cached,
+    extract_features,
+    random_backbone,
+    raw_pixels_backbone,
+    resolve_pool,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(embed_dim=32, depth=4, num_heads=2)  # a 4-block ViT small enough for a shared CPU
@@ -68,6 +74,26 @@ def test_pools_shapes_and_lastn_ends_with_cls():
     # Resizing to the model's input happens inside: 32x32 images give the same shapes.
     big = [(torch.randint(0, 256, (2, 1, 32, 32), dtype=torch.uint8), torch.tensor([0, 1]))]
     assert extract_features(bb, big, device=torch.device("cpu"))[0].shape == (2, 32)
+
+
+def test_auto_pool_follows_what_the_pretraining_trained():
+    bb = _tiny_backbone()
+    assert resolve_pool(bb, "auto") == "mean"  # random init: [class] is as untrained as any
+    for objective, pool in [("mpp", "mean"), ("supervised", "cls"), ("joint", "cls"),
+                            ("finetune", "cls")]:  # fmt: skip
+        bb.meta["objective"] = objective
+        assert resolve_pool(bb, "auto") == pool, objective
+        assert resolve_pool(bb, "lastn") == "lastn"  # an explicit choice is kept
+    pixels = raw_pixels_backbone(img_size=16, in_chans=1, mean=[0.5], std=[0.25])
+    assert resolve_pool(pixels, "cls") == "pixels"
+
+
+def test_raw_pixels_features_are_the_normalised_images():
+    bb = raw_pixels_backbone(img_size=8, in_chans=1, mean=[0.5], std=[0.25])
+    imgs = torch.randint(0, 256, (3, 1, 8, 8), dtype=torch.uint8)
+    f, _ = extract_features(bb, [(imgs, torch.tensor([0, 1, 2]))], device=torch.device("cpu"))
+    expected = ((imgs.float() / 255 - 0.5) / 0.25).flatten(1).numpy()
+    np.testing.assert_allclose(f, expected, atol=1e-5)
 
 
 def _png(arr: np.ndarray) -> bytes:
@@ -154,6 +180,13 @@ def test_random_backbone_evals_end_to_end_on_real_shards(tmp_path, capsys):
     probe = _load_script("linear_probe")
     assert probe.main([*common, "--l2", "1e-3", "1e-1", "--out", str(tmp_path / "p.json")]) == 0
     assert json.loads((tmp_path / "p.json").read_text())["metrics"]["probe_top1"] > 0.6
+    assert json.loads((tmp_path / "p.json").read_text())["params"]["pool"] == "mean"  # auto
+    # The raw-pixel baseline through the same CLI: the patterns are separable in pixel space.
+    pixels = ["--raw-pixels", *common[2:], "--k", "5", "--out", str(tmp_path / "px.json")]
+    assert knn.main(pixels) == 0
+    res = json.loads((tmp_path / "px.json").read_text())
+    assert res["params"]["pool"] == "pixels" and res["metrics"]["dim"] == 256
+    assert res["metrics"]["knn_top1@k=5"] > 0.9
 
 
 @pytest.mark.slow

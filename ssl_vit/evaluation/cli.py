@@ -22,6 +22,8 @@ from ssl_vit.features import (
     FeatureSet,
     load_eval_backbone,
     random_backbone,
+    raw_pixels_backbone,
+    resolve_pool,
     split_features,
 )
 
@@ -30,14 +32,18 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--backbone", help="export folder (backbone.safetensors + .json) or run dir")
     src.add_argument("--random-init", metavar="ARCH", help="baseline: a random timm backbone")
+    src.add_argument(
+        "--raw-pixels", action="store_true", help="baseline: the normalised pixels as features"
+    )
     p.add_argument("--data", required=True, help="shard set folder (with manifest.json)")
     p.add_argument("--train-split", default="train", help="gallery / fitting split")
     p.add_argument("--test-split", default="test", help="evaluation split")
     p.add_argument(
         "--pool",
         choices=POOLS,
-        default="cls",
-        help="[class] token, mean of patch tokens, or last n blocks' [class] tokens",
+        default="auto",
+        help="[class] token, mean of patch tokens, or last n blocks' [class] tokens; auto: "
+        "[class] when the pretraining trained it (supervised), else the patch-token mean (MPP)",
     )
     p.add_argument("--n-last", type=int, default=4, help="blocks concatenated by --pool lastn")
     p.add_argument(
@@ -82,6 +88,9 @@ def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
     size = args.img_size or (m.image_size[0] if m.image_size else None)
     if size is None:
         raise FeatureError(f"{args.data}: images have mixed sizes; pass --img-size")
+    if args.raw_pixels:
+        chans = args.in_chans or m.channels
+        return raw_pixels_backbone(img_size=size, in_chans=chans, mean=m.mean, std=m.std)
     return random_backbone(
         args.random_init,
         img_size=size,
@@ -96,6 +105,7 @@ def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
 
 def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureSet, FeatureSet]:
     bb = load_backbone_from_args(args)
+    args.pool = resolve_pool(bb, args.pool)  # recorded in the results as what was used
     kw: dict[str, Any] = dict(
         pool=args.pool,
         n_last=args.n_last,
