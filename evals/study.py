@@ -101,6 +101,20 @@ def plan() -> list[Step]:
         *_evals("mpp_pixels", ["--backbone", str(STUDY / "mpp_pixels")]),
         # Why the evals pool patch tokens after MPP: the same backbone read at its [class] token.
         *_evals("mpp50_cls", ["--backbone", str(STUDY / "mpp50"), "--pool", "cls"]),
+        # The paper's "inspecting ViT" figures (sec. 4.5) for the MPP backbone.
+        Step(
+            "inspect_mpp50",
+            [
+                "evals/inspect_vit.py",
+                "--backbone",
+                str(STUDY / "mpp50"),
+                "--data",
+                SHARDS,
+                "--out",
+                str(STUDY / "inspect_mpp50"),
+            ],
+            STUDY / "inspect_mpp50" / "inspect.json",
+        ),
     ]
 
 
