@@ -88,6 +88,16 @@ def _positive(text: str) -> int:
     return v
 
 
+def _quality(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a quality from 1 to 100")
+    return v
+
+
 def _cpus() -> int:
     affinity = getattr(os, "sched_getaffinity", None)  # Linux: the CPUs this job may use
     return len(affinity(0)) if affinity else os.cpu_count() or 1
@@ -132,12 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--format", choices=FORMATS, default="keep", help="output encoding (keep)")
     g.add_argument(
-        "--quality",
-        type=int,
-        default=95,
-        choices=range(1, 101),
-        metavar="1..100",
-        help="jpg/webp quality (95)",
+        "--quality", type=_quality, default=95, metavar="1..100", help="jpg/webp quality (95)"
     )
     g.add_argument(
         "--max-pixels",
@@ -178,7 +183,14 @@ def _class_names(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
     if text.startswith("@"):
-        lines = Path(text[1:]).read_text(encoding="utf-8").splitlines()
+        try:
+            lines = Path(text[1:]).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise SourceError(
+                f"--class-names {text}: cannot read {text[1:]} ({reason}); give a text file "
+                "with one class name per line"
+            ) from None
         return tuple(line.strip() for line in lines if line.strip())
     return tuple(n.strip() for n in text.split(","))
 
@@ -211,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
             job_index=a.job_index,
             merge_only=a.merge,
         )
-    except (JobError, SourceError, ManifestError, ValueError, OSError) as e:
+    except (JobError, SourceError, ManifestError, ValueError) as e:
         print(f"make_shards.py: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # "PATH: Permission denied" rather than "[Errno 13] ...: 'PATH'"
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"make_shards.py: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("make_shards.py: interrupted; rerun the same command to resume", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from ssl_vit.data.manifest import check_shards_exist, load_manifest
 from ssl_vit.data.stream import make_eval_loader
+from ssl_vit.evaluation.cli import run_main
 from ssl_vit.inspect import inspect_model
 from ssl_vit.models import build_backbone, load_backbone, token_geometry
 from ssl_vit.objectives import MaskedPatchPrediction
@@ -150,5 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def cli(argv: list[str] | None = None) -> int:
+    main(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(cli))  # bad input: a one-line error, exit 2

@@ -207,6 +207,18 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return nested
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line from PyYAML's multi-line message: where and what."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark, context = getattr(e, "problem_mark", None), getattr(e, "context", None)
+    if mark is None:
+        return problem
+    where = getattr(e, "context_mark", None)
+    if context and where is not None and where.line != mark.line:
+        problem += f" ({context} from line {where.line + 1})"
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML preset at `path`, then `overrides`; validated."""
     cfg = Config()
@@ -217,7 +229,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         try:
             body = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"{p}: not valid YAML ({_yaml_problem(e)}); fix the file") from None
         if not isinstance(body, dict):
             raise ConfigError(f"{p}: expected a mapping of sections at the top level")
         _apply(cfg, body, "")

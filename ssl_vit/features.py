@@ -120,12 +120,12 @@ def _model_geometry(model: nn.Module) -> tuple[int, int]:
 
 def load_eval_backbone(path: str | os.PathLike, *, img_size: int | None = None) -> EvalBackbone:
     """Load an export folder or a run directory (contract 2: `ssl_vit.models.load_backbone`)."""
-    from ssl_vit.models import load_backbone  # imported late: models pulls in timm
-
     path = Path(path)
     if not path.exists():
         raise FeatureError(f"{path}: no such backbone folder; pass an export folder or run dir")
     weights = _weights_file(path)
+    from ssl_vit.models import load_backbone  # imported late: models pulls in timm (seconds)
+
     model, meta = load_backbone(path, img_size=img_size)
     size, chans = _model_geometry(model)
     run_dir = weights.parent.parent if weights.parent.name == "export" else None

@@ -158,6 +158,9 @@ def _check_output(out: Path, fp: dict[str, Any]) -> bool:
     if out.exists() and not out.is_dir():
         raise JobError(f"{out}: exists and is not a folder; choose a folder for the shards")
     if not out.exists():
+        parent = next((p for p in out.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise JobError(f"{out}: cannot be created, {parent} is a file; choose another folder")
         return False
     other = (
         f"{out}: holds a different shard set (other source or options); "

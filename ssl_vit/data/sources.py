@@ -240,6 +240,11 @@ def _list_file(path: Path) -> Listing:
                 name: header.index(name) for name in ("path", "label", "split") if name in header
             }
             table = table[1:]
+        elif {"label", "split"} & set(header):  # a header, but the path column is misnamed
+            raise SourceError(
+                f"{path}: the header names columns {', '.join(header)} but none is 'path'; "
+                "name the column of image paths 'path'"
+            )
         else:
             col = {"path": 0, "label": 1}
         for r in table:

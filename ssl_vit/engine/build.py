@@ -45,7 +45,10 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
         in_chans = m.in_chans or manifest.channels
         kwargs = {"img_size": m.img_size, "in_chans": in_chans, "patch_size": m.patch_size}
         kwargs.update(m.kwargs)
-        backbone = build_backbone(m.arch, **kwargs)
+        try:
+            backbone = build_backbone(m.arch, **kwargs)
+        except (ValueError, TypeError) as e:  # unknown arch, kwargs timm does not take
+            raise ConfigError(f"model.arch={m.arch!r} with model.kwargs={m.kwargs}: {e}") from None
         spec = ModelSpec(m.arch, kwargs, in_chans, manifest.mean, manifest.std)
     mpp = {
         "patch_size": kwargs.get("patch_size"),

@@ -10,7 +10,7 @@ import sys
 
 from ssl_vit.config import ConfigError, load_config, validate
 from ssl_vit.data.manifest import ManifestError
-from ssl_vit.engine.trainer import NonFiniteLossError, check_data, train
+from ssl_vit.engine.preflight import check_data
 
 EPILOG = """\
 overrides: any config key as key=value (YAML values), e.g.
@@ -39,7 +39,7 @@ def parse(argv: list[str] | None, kind: str, description: str):
     p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides may also follow the flags
     overrides = list(args.overrides)
     if kind != "mpp" and not any(o.startswith("objective.kind=") for o in overrides):
         overrides.insert(0, f"objective.kind={kind}")
@@ -74,6 +74,13 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
             check_data(cfg, world)
             print(f"ok: {args.config or 'defaults'} is valid for {world} rank(s)")
             return 0
+    except (ConfigError, ManifestError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # DeepSpeed loads only now (seconds): a bad config or --check answers without it.
+    from ssl_vit.engine.trainer import NonFiniteLossError, train
+
+    try:
         train(cfg, header=header)
     except (ConfigError, ManifestError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import deepspeed
 import torch
 
 from ssl_vit.config import Config, ConfigError, local_batch, save_config
-from ssl_vit.data.manifest import Manifest, atomic_write_text, check_shards_exist, load_manifest
+from ssl_vit.data.manifest import atomic_write_text
 from ssl_vit.data.stream import make_train_loader
 from ssl_vit.engine import checkpoint
 from ssl_vit.engine.build import build_from_config, export_run
@@ -33,6 +32,7 @@ from ssl_vit.engine.optim import (
     make_optimizer,
     resolve_precision,
 )
+from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.progress import MetricWindow, Progress, write_loss_plot
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
 from ssl_vit.tracking import Tracker
@@ -112,34 +112,6 @@ def _save_run_id(tracker: Tracker, path: Path) -> None:
     """Remember the MLflow run so a rerun continues it (the id may arrive late: store down)."""
     if tracker.run_id and not path.is_file():
         atomic_write_text(path, tracker.run_id + "\n")
-
-
-def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
-    """Validate the config against the shard set; returns (manifest, steps/epoch, total steps)."""
-    local_batch(cfg, world)
-    manifest = load_manifest(cfg.data.root)
-    split = manifest.split(cfg.data.split)
-    if cfg.data.missing_shards == "error":
-        check_shards_exist(manifest, cfg.data.split)
-    if cfg.objective.kind != "mpp" and manifest.num_classes is None:
-        raise ConfigError(
-            f"objective.kind={cfg.objective.kind!r} needs labels, but {cfg.data.root} is "
-            "unlabelled; use objective.kind=mpp or a labelled shard set"
-        )
-    in_chans = cfg.model.in_chans or manifest.channels
-    if in_chans != manifest.channels and not cfg.model.init_from:
-        raise ConfigError(
-            f"model.in_chans={in_chans} but the shards in {cfg.data.root} have "
-            f"{manifest.channels} channel(s); drop model.in_chans to follow the data"
-        )
-    steps_per_epoch = split.num_samples // cfg.train.global_batch
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} exceeds the {split.num_samples} "
-            f"samples of split {cfg.data.split!r}; lower the batch"
-        )
-    total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
-    return manifest, steps_per_epoch, total_steps
 
 
 def train(cfg: Config, header: str = "") -> Path:

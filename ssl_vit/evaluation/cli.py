@@ -104,6 +104,9 @@ def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
 
 
 def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureSet, FeatureSet]:
+    manifest = load_manifest(args.data)
+    for split in (args.train_split, args.test_split):  # fail before any model or feature work
+        manifest.split(split)
     bb = load_backbone_from_args(args)
     args.pool = resolve_pool(bb, args.pool)  # recorded in the results as what was used
     kw: dict[str, Any] = dict(

@@ -66,7 +66,8 @@ def export_backbone(
     return out
 
 
-def _resolve(path: Path) -> Path:
+def find_export(path: Path) -> Path:
+    """The export folder at `path`, its `export/` subfolder, or the folder of either file."""
     for cand in (path, path / "export"):
         if (cand / META).is_file():
             return cand
@@ -85,7 +86,7 @@ def load_backbone(
     With `img_size` different from the exported one the position embeddings are 2-D
     interpolated; an MLP-Mixer cannot change size (its token-mixing MLPs are sized by N).
     """
-    folder = _resolve(Path(path))
+    folder = find_export(Path(path))
     meta_path = folder / META
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))

@@ -1,0 +1,67 @@
+"""Checks of a config against its shard set and model, run before any training state exists.
+
+Kept free of DeepSpeed (and of torch until the model check) so `--check` and a bad config
+answer in a moment, and so a run directory is never created for a run that cannot start.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ssl_vit.config import Config, ConfigError, local_batch
+from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
+
+
+def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
+    """Validate the config against the shard set and the model it names; returns
+    (manifest, steps/epoch, total steps)."""
+    local_batch(cfg, world)
+    manifest = load_manifest(cfg.data.root)
+    split = manifest.split(cfg.data.split)
+    if cfg.data.missing_shards == "error":
+        check_shards_exist(manifest, cfg.data.split)
+    if cfg.objective.kind != "mpp" and manifest.num_classes is None:
+        raise ConfigError(
+            f"objective.kind={cfg.objective.kind!r} needs labels, but {cfg.data.root} is "
+            "unlabelled; use objective.kind=mpp or a labelled shard set"
+        )
+    in_chans = cfg.model.in_chans or manifest.channels
+    if in_chans != manifest.channels and not cfg.model.init_from:
+        raise ConfigError(
+            f"model.in_chans={in_chans} but the shards in {cfg.data.root} have "
+            f"{manifest.channels} channel(s); drop model.in_chans to follow the data"
+        )
+    steps_per_epoch = split.num_samples // cfg.train.global_batch
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} exceeds the {split.num_samples} "
+            f"samples of split {cfg.data.split!r}; lower the batch"
+        )
+    check_model(cfg)
+    total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
+    return manifest, steps_per_epoch, total_steps
+
+
+def check_model(cfg: Config) -> None:
+    """The backbone to start from exists: an export for `model.init_from`, else a timm name."""
+    m = cfg.model
+    if m.init_from:
+        from ssl_vit.models.export import WEIGHTS, find_export  # imported late: torch, timm
+
+        try:
+            folder = find_export(Path(m.init_from))
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+        if not (folder / WEIGHTS).is_file():
+            raise ConfigError(
+                f"model.init_from: {folder / WEIGHTS} is missing; the export is incomplete, "
+                "export the run again or point at another one"
+            )
+        return
+    import timm
+
+    if not timm.is_model(m.arch):
+        raise ConfigError(
+            f"model.arch={m.arch!r} is not a timm model; pick one of timm.list_models('vit_*')"
+        )

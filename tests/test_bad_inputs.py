@@ -1,0 +1,185 @@
+"""Bad inputs on every command line: the documented exit code, never a traceback, and a last
+stderr line that names the file, option or config key and says what to do.
+
+Each row is (id, argv, exit code, text the last stderr line must hold). Placeholders in argv:
+{S} a real shard set, {IDX} the IDX folder it was made from, {B} a folder of broken inputs
+(the `bad` fixture), {O} a fresh folder for this row only. Rows fail before any real work;
+the few whose command must import timm first are marked slow. Pipeline rows add --check, so
+a bad input that were wrongly accepted would not start a training run. More make_shards rows
+(missing source, --resize without --size, --job-index, --shard-bytes, a different shard set
+in OUT) live in test_data_prep_jobs.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+MAKE = "data_prep/make_shards.py"
+VERIFY = "data_prep/verify_shards.py"
+MPP = "pipelines/mpp_pretrain.py"
+SUP = "pipelines/supervised_pretrain.py"
+FINETUNE = "evals/finetune.py"
+# What every pipeline row needs to be valid apart from its one bad value.
+RUN = ["data.root={S}", "run.dir={O}/run", "tracking.uri=sqlite:///{O}/mlflow.db"]
+PRE = [*RUN, "model.img_size=16", "train.global_batch=32", "train.steps=2", "--check"]
+# Evals: a small random baseline, no MLflow run, no feature cache outside the test.
+RANDOM = ["--random-init", "vit_tiny_patch16_224", "--patch-size", "4", "--data", "{S}"]
+EVAL = ["--no-mlflow", "--cache-dir", "{O}/cache"]
+
+ROWS = [
+    # data_prep/make_shards.py: argparse errors exit 2, errors in the inputs exit 1
+    ("source-wrong-file-type", [MAKE, "{B}/notes.md", "{O}"], 1,
+     "notes.md: a file source must be a list file (.txt, .csv, .jsonl)"),
+    ("source-without-images", [MAKE, "{B}/empty", "{O}"], 1,
+     "empty: no images found"),
+    ("shard-size-zero", [MAKE, "{IDX}", "{O}", "--shard-size", "0"], 2,
+     "argument --shard-size: '0' is not a positive integer"),
+    ("shard-size-fraction", [MAKE, "{IDX}", "{O}", "--shard-size", "1.5"], 2,
+     "argument --shard-size: '1.5' is not a positive integer"),
+    ("unknown-format", [MAKE, "{IDX}", "{O}", "--format", "gif"], 2,
+     "argument --format: invalid choice: 'gif' (choose from"),
+    ("quality-out-of-range", [MAKE, "{IDX}", "{O}", "--quality", "0"], 2,
+     "argument --quality: '0' is not a quality from 1 to 100"),
+    ("val-fraction-above-one", [MAKE, "{IDX}", "{O}", "--val-fraction", "1.5"], 2,
+     "argument --val-fraction: '1.5' is not a fraction in [0, 1)"),
+    ("fractions-sum-to-one", [MAKE, "{IDX}", "{O}", "--val-fraction", "0.6",
+                              "--test-fraction", "0.5"], 2,
+     "--val-fraction + --test-fraction must be below 1"),
+    ("out-is-a-file", [MAKE, "{IDX}", "{B}/afile"], 1,
+     "afile: exists and is not a folder; choose a folder for the shards"),
+    ("out-under-a-file", [MAKE, "{IDX}", "{B}/afile/shards"], 1,
+     "afile is a file; choose another folder"),
+    ("jsonl-line-without-path", [MAKE, "{B}/nopath.jsonl", "{O}"], 1,
+     'nopath.jsonl:2: expected a JSON object with "path"'),
+    ("jsonl-line-bad-json", [MAKE, "{B}/badjson.jsonl", "{O}"], 1,
+     'badjson.jsonl:2: expected a JSON object with "path"'),
+    ("csv-header-without-path", [MAKE, "{B}/nopath.csv", "{O}"], 1,
+     "nopath.csv: the header names columns file, label but none is 'path'"),
+    ("class-names-file-missing", [MAKE, "{IDX}", "{O}", "--class-names", "@{B}/names.txt"], 1,
+     "--class-names @{B}/names.txt: cannot read"),
+    ("class-names-too-few", [MAKE, "{IDX}", "{O}", "--class-names", "a,b"], 1,
+     "label 3 is out of range for 2 class names"),
+    ("merge-before-jobs", [MAKE, "{IDX}", "{O}", "--merge"], 1,
+     "is not written yet; run or rerun the job that owns it"),
+    # data_prep/verify_shards.py: every problem exits 1
+    ("verify-manifest-missing", [VERIFY, "{B}/empty"], 1,
+     "empty/manifest.json: not found; point at a shard set made by data_prep/make_shards.py"),
+    ("verify-manifest-corrupt", [VERIFY, "{B}/corrupt"], 1,
+     "corrupt/manifest.json: not valid JSON"),
+    ("verify-manifest-version", [VERIFY, "{B}/v99"], 1,
+     "v99/manifest.json: format_version 99 is not supported (this ssl-vit reads 1)"),
+    # pipelines/*.py and evals/finetune.py: ConfigError / ManifestError exit 2
+    ("unknown-config-key", [MPP, *PRE, "train.stepz=3"], 2,
+     "unknown config key 'train.stepz'; known keys here: train.global_batch"),
+    ("config-value-wrong-type", [MPP, *PRE, "optim.lr=abc"], 2,
+     "config key 'optim.lr': 'abc' is not a valid float"),
+    ("section-given-a-value", [MPP, *PRE, "run=3"], 2,
+     "config key 'run' is a section; give a mapping"),
+    ("override-not-key-value", [MPP, *PRE, "train.steps"], 2,
+     "override 'train.steps' is not key=value"),
+    ("config-file-missing", [MPP, "--config", "{B}/nope.yaml", *PRE], 2,
+     "nope.yaml: config file not found; see configs/ for presets"),
+    ("config-yaml-syntax", [MPP, "--config", "{B}/bad.yaml", *PRE], 2,
+     "bad.yaml: not valid YAML (line 3, column 1:"),
+    ("config-not-a-mapping", [MPP, "--config", "{B}/list.yaml", *PRE], 2,
+     "list.yaml: expected a mapping of sections at the top level"),
+    ("negative-steps", [MPP, *PRE, "train.steps=-5"], 2,
+     "train.steps / train.epochs must be positive"),
+    ("corrupt-ratio-above-one", [MPP, *PRE, "objective.corrupt_ratio=1.5"], 2,
+     "objective.corrupt_ratio=1.5: must be in (0, 1]"),
+    ("img-size-not-divisible", [MPP, *PRE, "model.img_size=18"], 2,
+     "model.img_size=18 is not divisible by model.patch_size=4"),
+    ("batch-larger-than-data", [MPP, *PRE, "train.global_batch=4096"], 2,
+     "train.global_batch=4096 exceeds the 512 samples of split 'train'"),
+    ("data-without-manifest", [MPP, *PRE, "data.root={B}/empty"], 2,
+     "empty/manifest.json: not found"),
+    ("data-split-not-in-manifest", [MPP, *PRE, "data.split=valid"], 2,
+     "no split 'valid'; it has ['test', 'train']"),
+    ("unknown-model-name", [MPP, *PRE, "model.arch=vit_no_such_model"], 2,
+     "model.arch='vit_no_such_model' is not a timm model"),
+    ("supervised-with-mpp-kind", [SUP, *PRE, "objective.kind=mpp"], 2,
+     "supervised_pretrain.py: objective.kind must be supervised or joint"),
+    ("unknown-precision", [SUP, *PRE, "train.precision=fp8"], 2,
+     "train.precision='fp8': choose auto, bf16, fp16 or fp32"),
+    ("finetune-backbone-missing", [FINETUNE, "--config", "configs/fmnist_finetune.yaml",
+                                   "--backbone", "{B}/nope", *RUN, "--check"], 2,
+     "model.init_from: {B}/nope: no backbone.json here"),
+    # evals/*.py: bad input exits 2
+    ("knn-k-zero", ["evals/knn.py", *RANDOM, *EVAL, "--k", "0"], 2,
+     "--k values must be >= 1"),
+    ("fewshot-shots-not-integers", ["evals/fewshot.py", *RANDOM, *EVAL, "--shots", "1", "five"],
+     2, "argument --shots: invalid int value: 'five'"),
+    ("probe-backbone-missing", ["evals/linear_probe.py", "--backbone", "{B}/nope",
+                                "--data", "{S}", *EVAL], 2,
+     "nope: no such backbone folder; pass an export folder or run dir"),
+    ("probe-backbone-without-export", ["evals/linear_probe.py", "--backbone", "{B}/noexport",
+                                       "--data", "{S}", *EVAL], 2,
+     "noexport: no backbone.safetensors here or under export/"),
+    ("knn-split-not-in-manifest", ["evals/knn.py", *RANDOM, *EVAL, "--test-split", "val"], 2,
+     "no split 'val'; it has ['test', 'train']"),
+    ("inspect-backbone-without-export", ["evals/inspect_vit.py", "--backbone", "{B}/noexport",
+                                         "--data", "{S}", "--out", "{O}", "--no-mlflow"], 2,
+     "noexport: no backbone.json here or in"),
+    ("inspect-manifest-version", ["evals/inspect_vit.py", "--random-init", "vit_tiny_patch16_224",
+                                  "--data", "{B}/v99", "--out", "{O}", "--no-mlflow"], 2,
+     "v99/manifest.json: format_version 99 is not supported"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory) -> Path:
+    """One folder of broken inputs, shared by the rows."""
+    b = tmp_path_factory.mktemp("bad")
+    (b / "notes.md").write_text("not a list of images\n")
+    (b / "empty").mkdir()
+    (b / "afile").write_text("a file where a folder should be\n")
+    (b / "nopath.jsonl").write_text('{"path": "a.png"}\n{"label": 1}\n')
+    (b / "badjson.jsonl").write_text('{"path": "a.png"}\n{"path": "b.png", \n')
+    (b / "nopath.csv").write_text("file,label\na.png,1\n")
+    (b / "bad.yaml").write_text("run:\n  dir: [unclosed\n")
+    (b / "list.yaml").write_text("- train\n- model\n")
+    (b / "corrupt").mkdir()
+    (b / "corrupt" / "manifest.json").write_text('{"format": "ssl-vit-shards", "splits": {')
+    (b / "v99").mkdir()
+    manifest = {"format": "ssl-vit-shards", "format_version": 99, "splits": {}}
+    (b / "v99" / "manifest.json").write_text(json.dumps(manifest))
+    (b / "noexport").mkdir()
+    (b / "noexport" / "README.txt").write_text("a run directory that never exported\n")
+    return b
+
+
+# Rows whose command must import timm before it can tell (about 10 s each on a busy machine).
+SLOW = {
+    "unknown-model-name",
+    "finetune-backbone-missing",
+    "inspect-backbone-without-export",
+    "inspect-manifest-version",
+}
+PARAMS = [
+    pytest.param(*r[1:], id=r[0], marks=[pytest.mark.slow] if r[0] in SLOW else []) for r in ROWS
+]
+
+
+@pytest.mark.parametrize("argv,code,message", PARAMS)
+def test_bad_input_is_one_line_error(argv, code, message, bad, tiny_shards, tmp_path):
+    where = {"S": tiny_shards, "IDX": tiny_shards.parent / "idx", "B": bad, "O": tmp_path / "out"}
+    proc = run_cli([a.format(**where) for a in argv], timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines, f"no message on stderr; stdout: {proc.stdout[-1000:]}"
+    assert proc.returncode == code, (proc.returncode, lines[-1])
+    assert message.format(**where) in lines[-1], lines[-1]
+
+
+def test_table_is_wide():
+    """At least 24 rows, every row's id unique, every command line covered."""
+    assert len(ROWS) >= 24 and len({r[0] for r in ROWS}) == len(ROWS)
+    assert SLOW <= {r[0] for r in ROWS}
+    scripts = {r[1][0] for r in ROWS}
+    assert {MAKE, VERIFY, MPP, SUP, FINETUNE} <= scripts
+    evals = {"linear_probe", "knn", "fewshot", "inspect_vit"}
+    assert {f"evals/{e}.py" for e in evals} <= scripts
