@@ -183,3 +183,19 @@ def test_table_is_wide():
     assert {MAKE, VERIFY, MPP, SUP, FINETUNE} <= scripts
     evals = {"linear_probe", "knn", "fewshot", "inspect_vit"}
     assert {f"evals/{e}.py" for e in evals} <= scripts
+
+
+@pytest.mark.slow
+def test_broken_latest_pointer_is_one_line_error(tiny_shards, tmp_path):
+    """A `latest` that names a checkpoint which is not there (copied run, hand edits)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step00000007\n")
+    argv = [MPP, f"data.root={tiny_shards}", f"run.dir={run}", "model.img_size=16",
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "train.global_batch=32",
+            "train.steps=2"]  # fmt: skip
+    proc = run_cli(argv, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "latest: names 'step00000007', which is not a complete checkpoint" in last, last

@@ -23,6 +23,10 @@ from ssl_vit.engine.distributed import barrier
 STATE_NAME = "trainer_state.json"
 
 
+class CheckpointError(RuntimeError):
+    """The run directory's checkpoints cannot be resumed; the message says which and why."""
+
+
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
@@ -34,7 +38,7 @@ def latest_tag(ckpt_dir: Path) -> str | None:
         return None
     tag = pointer.read_text().strip()
     if not tag or not (ckpt_dir / tag / STATE_NAME).is_file():
-        raise RuntimeError(
+        raise CheckpointError(
             f"{pointer}: names {tag!r}, which is not a complete checkpoint; "
             "delete the pointer to restart from scratch or point it at a complete one"
         )

@@ -78,11 +78,12 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # DeepSpeed loads only now (seconds): a bad config or --check answers without it.
+    from ssl_vit.engine.checkpoint import CheckpointError
     from ssl_vit.engine.trainer import NonFiniteLossError, train
 
     try:
         train(cfg, header=header)
-    except (ConfigError, ManifestError) as e:
+    except (ConfigError, ManifestError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:
