@@ -7,11 +7,11 @@ the reference accuracies, quoted with their source.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shutil
 from pathlib import Path
 from typing import Any
+
+from ssl_vit.perf import describe_machine
 
 REFERENCES = [  # Fashion-MNIST README (zalandoresearch/fashion-mnist), via shared/RECIPE.md
     ("human", 83.5), ("MLP", 88.3), ("2-conv CNN", 91.6), ("HOG + SVM", 92.6),
@@ -58,15 +58,6 @@ def _run_id(study: Path, step_name: str) -> str:
         return (res or {}).get("mlflow_run_id") or "-"
     path = study / top / "mlflow_run_id"
     return path.read_text().strip() if path.is_file() else "-"
-
-
-def _machine() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} cores, no GPU"
 
 
 FIGURES = [  # (file written by evals/inspect_vit.py, what it shows)
@@ -137,7 +128,7 @@ def write_report(plan: list, timings: dict[str, float], study: Path, out: Path) 
         "Frozen features are pooled with `--pool auto`: the [class] token after supervised "
         "pretraining, the mean of the patch tokens after MPP and for the random init (MPP's "
         "loss never reaches the [class] token; the last ablation row shows the difference).",
-        f"Machine: {_machine()}.",
+        f"Machine: {describe_machine()}.",
         "",
         "## Methods",
         "",

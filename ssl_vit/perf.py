@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["count_train_flops", "measure_matmul_peak"]
+__all__ = ["count_train_flops", "describe_machine", "measure_matmul_peak"]
 
 
 def count_train_flops(objective: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -60,3 +63,16 @@ def measure_matmul_peak(
                 break
         rates.append(2.0 * n**3 * iters / elapsed)
     return statistics.median(rates)
+
+
+def describe_machine() -> str:
+    """One line for reports: CPU model, cores, RAM, GPU, Python and torch versions."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu}; {os.cpu_count()} cores; {mem:.0f} GiB RAM; {gpu}; "
+            f"Python {platform.python_version()}; torch {torch.__version__}")  # fmt: skip

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import gzip
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +71,48 @@ def tiny_shards(tmp_path_factory) -> Path:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `cond` (exceptions count as not yet) until true, or fail the test naming `what`."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if cond():
+                return
+        except Exception:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 and a free port, killable and restartable there."""
+
+    def __init__(self, root: Path, db: Path | None = None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.root, self.db, self.proc = root, db or root / "server.db", None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180) -> MlflowServer:
+        cmd = [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+            "--port", str(self.port), "--backend-store-uri", f"sqlite:///{self.db}",
+            "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1",
+        ]  # fmt: skip
+        log = open(self.root / "server.log", "a")  # noqa: SIM115 (the server's lifetime)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        wait_until(
+            lambda: urllib.request.urlopen(f"{self.uri}/health", timeout=1).status == 200,
+            timeout, "mlflow server to start",
+        )  # fmt: skip
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, MlflowServer, run_cli
 from mlflow.tracking import MlflowClient
-from test_train_e2e import free_port, metric_steps, overrides
+from test_train_e2e import metric_steps, overrides
 
 pytestmark = pytest.mark.slow
 PIPE = "pipelines/mpp_pretrain.py"
@@ -234,25 +234,12 @@ def test_nonfinite_loss_skips_then_stops_keeping_last_good_checkpoint(tiny_shard
     print(f"\nnon-finite: stopped at step {stop_step}, counts {counts}, kept {tag}")
 
 
-def _wait_port(port: int, timeout: float) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"mlflow server on {port} did not start")
-
-
 def test_mlflow_down_at_start_then_replayed(tiny_shards, tmp_path):
     """Training against a server that is not there: it finishes without stalling, metrics are
     spooled in RUN/mlflow_spool, and `python -m ssl_vit.tracking replay` pushes them all once
     the server is up."""
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
+    server = MlflowServer(tmp_path)  # its port, with nothing listening yet
+    uri = server.uri
     run_dir = tmp_path / "run"
     args = [a for a in overrides(tiny_shards, run_dir, tmp_path / "x.db", "train.steps=8")
             if not a.startswith("tracking.uri")]  # fmt: skip
@@ -264,14 +251,8 @@ def test_mlflow_down_at_start_then_replayed(tiny_shards, tmp_path):
     spool = run_dir / "mlflow_spool"
     assert spool.is_dir() and any(spool.rglob("*")), "nothing was kept for replay"
 
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
     try:
-        _wait_port(port, 180)
+        server.start()
         rep = subprocess.run(
             [sys.executable, "-m", "ssl_vit.tracking", "replay", str(spool), "--tracking-uri",
              uri], cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -284,6 +265,5 @@ def test_mlflow_down_at_start_then_replayed(tiny_shards, tmp_path):
         assert sorted(steps) == [2, 4, 6, 8], steps
         assert runs[0].data.params["train.global_batch"] == "32"
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        server.kill()
     print(f"\nMLflow down at start: training took {took:.1f}s; replay pushed steps {sorted(steps)}")

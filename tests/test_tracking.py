@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import MlflowServer, wait_until
 
 from ssl_vit.tracking import MAX_PARAM_LEN, Tracker, flatten, main
 
@@ -27,18 +21,6 @@ def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("db") / "template.db"
     MlflowClient(f"sqlite:///{path}").search_experiments()
     return path
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if cond():
-                return
-        except Exception:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
@@ -105,37 +87,6 @@ def test_sqlite_store_and_resume_without_duplicates(
     assert [p.name for p in (tmp_path / "spool").glob("*.jsonl")] == ["rejected.jsonl"]
 
 
-class _Server:
-    """A real `mlflow server` on 127.0.0.1, killable and restartable on the same port."""
-
-    def __init__(self, root: Path, db: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.root, self.db, self.proc = root, db, None
-        self.uri = f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 150) -> None:
-        cmd = [
-            str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1",
-            "--port", str(self.port), "--backend-store-uri", f"sqlite:///{self.db}",
-            "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1",
-        ]  # fmt: skip
-        log = open(self.root / "server.log", "a")  # noqa: SIM115 (the server's lifetime)
-        self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        _wait(
-            lambda: urllib.request.urlopen(f"{self.uri}/health", timeout=1).status == 200,
-            timeout, "mlflow server to start",
-        )  # fmt: skip
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
 @pytest.mark.slow
 def test_server_outage_spools_and_recovers(
     tmp_path: Path, template_db: Path, monkeypatch: pytest.MonkeyPatch
@@ -145,7 +96,7 @@ def test_server_outage_spools_and_recovers(
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     db = tmp_path / "server.db"
     shutil.copy(template_db, db)
-    server = _Server(tmp_path, db)
+    server = MlflowServer(tmp_path, db)
     spool = tmp_path / "spool"
     try:
         # 1. Server down at start: the constructor returns quickly without a run id.
@@ -162,12 +113,12 @@ def test_server_outage_spools_and_recovers(
         # 2. The server comes up: the run is created and the spooled steps arrive.
         server.start()
         client = MlflowClient(server.uri)
-        _wait(lambda: tracker.run_id is not None, 20, "the run to be created")
+        wait_until(lambda: tracker.run_id is not None, 20, "the run to be created")
         run_id = tracker.run_id
-        _wait(lambda: _steps(client, run_id, "loss") == list(range(5)), 20, "spooled steps")
+        wait_until(lambda: _steps(client, run_id, "loss") == list(range(5)), 20, "spooled steps")
         for step in range(5, 10):
             tracker.log_metrics({"loss": float(step)}, step=step)
-        _wait(lambda: _steps(client, run_id, "loss") == list(range(10)), 20, "live steps")
+        wait_until(lambda: _steps(client, run_id, "loss") == list(range(10)), 20, "live steps")
 
         # 3. Killed mid-run: logging neither raises nor blocks; the steps arrive after a restart.
         server.kill()
@@ -175,9 +126,9 @@ def test_server_outage_spools_and_recovers(
         for step in range(10, 15):
             tracker.log_metrics({"loss": float(step)}, step=step)
         assert time.monotonic() - t0 < 0.5
-        _wait(lambda: any(spool.glob("*.jsonl")), 15, "events spooled while the server is down")
+        wait_until(lambda: any(spool.glob("*.jsonl")), 15, "events spooled, server down")
         server.start()
-        _wait(lambda: _steps(client, run_id, "loss") == list(range(15)), 30, "steps after restart")
+        wait_until(lambda: _steps(client, run_id, "loss") == list(range(15)), 30, "restarted")
 
         # 4. Down again until the end: close() is bounded, the spool keeps the rest, and the
         #    replay command pushes it (here straight into the server's backend store).

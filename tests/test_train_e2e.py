@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, MlflowServer, run_cli
 from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.slow
@@ -211,22 +211,9 @@ def test_two_node_rehearsal_with_no_ssh(tiny_shards, tmp_path):
 
 
 def test_real_mlflow_server(tiny_shards, tmp_path):
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server = MlflowServer(tmp_path).start()
     try:
-        uri = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
+        uri = server.uri
         run_dir = tmp_path / "run"
         args = [a for a in overrides(tiny_shards, run_dir, tmp_path / "x.db", "train.steps=4")
                 if not a.startswith("tracking.uri")]  # fmt: skip
@@ -241,8 +228,7 @@ def test_real_mlflow_server(tiny_shards, tmp_path):
         assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [2, 4]
         assert "export" in {a.path for a in client.list_artifacts(run_id)}
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
+        server.kill()
 
 
 def test_finetune_at_higher_resolution_beats_its_start(tiny_shards, tmp_path):
