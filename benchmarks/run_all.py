@@ -33,6 +33,8 @@ BENCHMARKS = [
      [], ["--repeats", "1"]),
     ("knn", "FAISS kNN vs scikit-learn KNeighborsClassifier vs chunked torch matmul",
      [], ["--repeats", "1", "--no-ann"]),
+    ("scaling", "how cost grows: MPP step time and memory vs image size (tokens) and model size",
+     [], ["--quick"]),
 ]  # fmt: skip
 
 
