@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["count_train_flops", "describe_machine", "measure_matmul_peak"]
@@ -20,7 +22,11 @@ def count_train_flops(objective: nn.Module, images: torch.Tensor, labels: torch.
     """Model FLOPs of one forward + backward of `objective(images, labels)` (matmuls, convs,
     attention, as counted by torch's FlopCounterMode). Gradients it creates are cleared."""
     had_grad = {p: p.grad for p in objective.parameters()}
-    with FlopCounterMode(display=False) as counter:
+    # torch's CPU attention kernel (_scaled_dot_product_flash_attention_for_cpu) has no FLOP
+    # formula and would count as 0; the math backend does the same products as countable matmuls.
+    on_cpu = images.device.type == "cpu"
+    backend = sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext()
+    with backend, FlopCounterMode(display=False) as counter:
         loss, _ = objective(images, labels)
         loss.backward()
     for p, g in had_grad.items():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ssl_vit.models import (
@@ -182,3 +183,19 @@ def test_count_train_flops_of_a_linear_layer():
     # forward 2*B*in*out; backward the same for the weight gradient (the input needs none)
     assert flops == 2 * (2 * 8 * 64 * 32)
     assert obj.fc.weight.grad is None  # gradients are cleared
+
+
+def test_count_train_flops_includes_attention_on_cpu():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x, y):  # x: (B, heads, T, d)
+            out = F.scaled_dot_product_attention(x * self.scale, x, x)
+            return out.sum(), {}
+
+    b, h, t, d = 2, 2, 16, 8
+    flops = count_train_flops(Attn(), torch.randn(b, h, t, d), torch.zeros(b, dtype=torch.long))
+    # forward alone: QK^T and AV, 2 * (2*B*H*T*T*d); CPU's flash kernel would count as 0
+    assert flops >= 2 * (2 * b * h * t * t * d)
