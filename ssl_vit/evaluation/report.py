@@ -49,7 +49,12 @@ def format_table(title: str, metrics: dict[str, Any]) -> str:
     lines = [title, "-" * (width + 14)]
     for k, v in rows.items():
         is_rate = any(t in k for t in ("top1", "top5", "recall", "map@r", "shot_"))
-        shown = f"{100 * v:9.2f} %" if is_rate else f"{v:11.4g}"
+        if is_rate:
+            shown = f"{100 * v:9.2f} %"
+        elif float(v).is_integer() and abs(v) < 1e12:  # counts: 60000, not 6e+04
+            shown = f"{int(v):11d}"
+        else:
+            shown = f"{v:11.4g}"
         lines.append(f"{k:<{width}}  {shown}")
     return "\n".join(lines)
 
