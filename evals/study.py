@@ -26,6 +26,15 @@ STUDY = Path("runs/study")
 SHARDS = "shards/fashion-mnist"
 PRETRAIN_STEPS = 470  # 2 epochs of the 60k training images at batch 256
 FINETUNE_STEPS = 470  # 1 epoch at batch 128, 42 px
+FINETUNE_WARMUP = 50  # the preset's 200 warmup steps would be 40% of so short a run
+# From scratch gets the pretrained runs' total steps (pretraining + fine-tuning): about their
+# compute too, as a 42-px step costs about twice a 28-px one at half the batch.
+SCRATCH_STEPS = PRETRAIN_STEPS + FINETUNE_STEPS
+BUDGET = (
+    f"every pretraining gets {PRETRAIN_STEPS} steps at batch 256 (2 epochs); fine-tuning "
+    f"{FINETUNE_STEPS} steps at batch 128 and 42 px (1 epoch, {FINETUNE_WARMUP} warmup steps); "
+    f"from scratch {SCRATCH_STEPS} steps at batch 128 and 42 px, the pretrained runs' total"
+)
 CHECKPOINT_EVERY = 50  # a stop costs at most a few minutes of a run
 MPP = "configs/fmnist_vit_tiny_mpp.yaml"
 SUP = "configs/fmnist_vit_tiny_supervised.yaml"
@@ -69,8 +78,9 @@ def _evals(name: str, backbone: list[str]) -> list[Step]:
 
 def _finetune(name: str, init: str | None) -> Step:
     run = STUDY / name
+    steps = FINETUNE_STEPS if init else SCRATCH_STEPS
     argv = ["evals/finetune.py", "--config", FT, f"run.dir={run}", f"data.root={SHARDS}",
-            "train.epochs=null", f"train.steps={FINETUNE_STEPS}",
+            "train.epochs=null", f"train.steps={steps}", f"optim.warmup_steps={FINETUNE_WARMUP}",
             f"run.checkpoint_every={CHECKPOINT_EVERY}"]  # fmt: skip
     if init is None:  # the same ViT from scratch at 42 px, same steps
         argv += ["model.init_from=null", "model.patch_size=7",
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "report":
         from study_report import write_report
 
-        write_report(plan(), _timings(), STUDY, ROOT / "RESULTS.md")
+        write_report(plan(), _timings(), STUDY, ROOT / "RESULTS.md", BUDGET)
         print("wrote RESULTS.md")
         return 0
     return run() if args.action == "run" else status()

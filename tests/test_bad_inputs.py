@@ -101,6 +101,8 @@ ROWS = [
      "no split 'valid'; it has ['test', 'train']"),
     ("unknown-model-name", [MPP, *PRE, "model.arch=vit_no_such_model"], 2,
      "model.arch='vit_no_such_model' is not a timm model"),
+    ("model-kwargs-not-taken", [MPP, *PRE, "model.kwargs={{no_such_option: 1}}"], 2,
+     "does not build with model.kwargs={{'no_such_option': 1}}"),
     ("supervised-with-mpp-kind", [SUP, *PRE, "objective.kind=mpp"], 2,
      "supervised_pretrain.py: objective.kind must be supervised or joint"),
     ("unknown-precision", [SUP, *PRE, "train.precision=fp8"], 2,
@@ -155,6 +157,7 @@ def bad(tmp_path_factory) -> Path:
 # Rows whose command must import timm before it can tell (about 10 s each on a busy machine).
 SLOW = {
     "unknown-model-name",
+    "model-kwargs-not-taken",
     "finetune-backbone-missing",
     "inspect-backbone-without-export",
     "inspect-manifest-version",

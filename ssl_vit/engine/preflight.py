@@ -38,13 +38,14 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
             f"train.global_batch={cfg.train.global_batch} exceeds the {split.num_samples} "
             f"samples of split {cfg.data.split!r}; lower the batch"
         )
-    check_model(cfg)
+    check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
     return manifest, steps_per_epoch, total_steps
 
 
-def check_model(cfg: Config) -> None:
-    """The backbone to start from exists: an export for `model.init_from`, else a timm name."""
+def check_model(cfg: Config, in_chans: int) -> None:
+    """The backbone to start from exists: an export for `model.init_from`, else a timm name
+    that builds with `model.kwargs` (on the meta device: no memory, no weights)."""
     m = cfg.model
     if m.init_from:
         from ssl_vit.models.export import WEIGHTS, find_export  # imported late: torch, timm
@@ -65,3 +66,17 @@ def check_model(cfg: Config) -> None:
         raise ConfigError(
             f"model.arch={m.arch!r} is not a timm model; pick one of timm.list_models('vit_*')"
         )
+    import torch
+
+    from ssl_vit.models import build_backbone
+
+    kwargs = {"img_size": m.img_size, "in_chans": in_chans, "patch_size": m.patch_size, **m.kwargs}
+    try:
+        with torch.device("meta"):
+            build_backbone(m.arch, **kwargs)
+    except (ValueError, TypeError, AssertionError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(
+            f"model.arch={m.arch!r} does not build with model.kwargs={m.kwargs}: {msg}; "
+            "fix model.kwargs"
+        ) from None
