@@ -1,6 +1,7 @@
 """The paper's MPP study on Fashion-MNIST (sec. 4.6), as a resumable plan of real commands.
 
     python evals/study.py run      # every step not done yet, in order (hours on 2 CPU cores)
+    python evals/study.py run --only inspect_mpp50   # just these steps
     python evals/study.py status   # what is done, what is left
     python evals/study.py report   # RESULTS.md from the step outputs and their MLflow run ids
 
@@ -96,6 +97,20 @@ def plan() -> list[Step]:
     return [
         _pretrain("mpp50", MPP, py),
         *_evals("mpp50", ["--backbone", str(STUDY / "mpp50")]),
+        # The paper's "inspecting ViT" figures (sec. 4.5) for the MPP backbone.
+        Step(
+            "inspect_mpp50",
+            [
+                "evals/inspect_vit.py",
+                "--backbone",
+                str(STUDY / "mpp50"),
+                "--data",
+                SHARDS,
+                "--out",
+                str(STUDY / "inspect_mpp50"),
+            ],
+            STUDY / "inspect_mpp50" / "inspect.json",
+        ),
         *_evals("pixels", ["--raw-pixels"]),
         *_evals("random", RANDOM),
         _pretrain("supervised", SUP, "pipelines/supervised_pretrain.py"),
@@ -111,20 +126,6 @@ def plan() -> list[Step]:
         *_evals("mpp_pixels", ["--backbone", str(STUDY / "mpp_pixels")]),
         # Why the evals pool patch tokens after MPP: the same backbone read at its [class] token.
         *_evals("mpp50_cls", ["--backbone", str(STUDY / "mpp50"), "--pool", "cls"]),
-        # The paper's "inspecting ViT" figures (sec. 4.5) for the MPP backbone.
-        Step(
-            "inspect_mpp50",
-            [
-                "evals/inspect_vit.py",
-                "--backbone",
-                str(STUDY / "mpp50"),
-                "--data",
-                SHARDS,
-                "--out",
-                str(STUDY / "inspect_mpp50"),
-            ],
-            STUDY / "inspect_mpp50" / "inspect.json",
-        ),
     ]
 
 
@@ -136,11 +137,16 @@ def _timings() -> dict[str, float]:
     return {r["name"]: r["seconds"] for r in rows if r["returncode"] == 0}
 
 
-def run() -> int:
+def run(only: list[str] | None = None) -> int:
+    steps = plan()
+    unknown = set(only or ()) - {s.name for s in steps}
+    if unknown:
+        print(f"study.py: no step named {sorted(unknown)}; see `study.py status`", file=sys.stderr)
+        return 2
     STUDY.mkdir(parents=True, exist_ok=True)
     (STUDY / "logs").mkdir(exist_ok=True)
-    for step in plan():
-        if step.output.exists():
+    for step in steps:
+        if step.output.exists() or (only and step.name not in only):
             continue
         log = STUDY / "logs" / f"{step.name.replace('/', '-')}.log"
         print(f"[study] {step.name}: {step.command}  (log: {log})", flush=True)
@@ -153,7 +159,8 @@ def run() -> int:
         if rc != 0:
             print(f"[study] {step.name} failed (exit {rc}); see {log}", flush=True)
             return rc
-    print("[study] all steps done; python evals/study.py report", flush=True)
+    done = "the steps asked for" if only else "all steps"
+    print(f"[study] {done} done; python evals/study.py report", flush=True)
     return 0
 
 
@@ -166,6 +173,7 @@ def status() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("action", choices=("run", "status", "report"))
+    p.add_argument("--only", nargs="+", metavar="STEP", help="run: just these steps (by name)")
     args = p.parse_args(argv)
     if args.action == "report":
         from study_report import write_report
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(plan(), _timings(), STUDY, ROOT / "RESULTS.md", BUDGET)
         print("wrote RESULTS.md")
         return 0
-    return run() if args.action == "run" else status()
+    return run(args.only) if args.action == "run" else status()
 
 
 if __name__ == "__main__":
