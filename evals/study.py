@@ -83,7 +83,7 @@ def _finetune(name: str, init: str | None) -> Step:
     argv = ["evals/finetune.py", "--config", FT, f"run.dir={run}", f"data.root={SHARDS}",
             "train.epochs=null", f"train.steps={steps}", f"optim.warmup_steps={FINETUNE_WARMUP}",
             f"run.checkpoint_every={CHECKPOINT_EVERY}"]  # fmt: skip
-    if init is None:  # the same ViT from scratch at 42 px, same steps
+    if init is None:  # the same ViT from scratch at 42 px, for SCRATCH_STEPS
         argv += ["model.init_from=null", "model.patch_size=7",
                  "model.kwargs={embed_dim: 128, depth: 6, num_heads: 4}"]  # fmt: skip
     else:
