@@ -56,6 +56,11 @@ class ModelConfig:
     init_from: str | None = None  # exported backbone / run dir to start from (fine-tuning);
     # its arch and kwargs win, position embeddings are resampled to img_size (sec. 3.2)
 
+    def backbone_kwargs(self, in_chans: int) -> dict[str, Any]:
+        """The `build_backbone` keyword arguments for a fresh (not `init_from`) backbone."""
+        return {"img_size": self.img_size, "in_chans": in_chans, "patch_size": self.patch_size,
+                **self.kwargs}  # fmt: skip
+
 
 @dataclass
 class ObjectiveConfig:

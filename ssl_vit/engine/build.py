@@ -43,8 +43,7 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
         spec = ModelSpec(meta["arch"], kwargs, kwargs["in_chans"], meta["mean"], meta["std"])
     else:
         in_chans = m.in_chans or manifest.channels
-        kwargs = {"img_size": m.img_size, "in_chans": in_chans, "patch_size": m.patch_size}
-        kwargs.update(m.kwargs)
+        kwargs = m.backbone_kwargs(in_chans)
         try:
             backbone = build_backbone(m.arch, **kwargs)
         except (ValueError, TypeError) as e:  # unknown arch, kwargs timm does not take

@@ -70,10 +70,9 @@ def check_model(cfg: Config, in_chans: int) -> None:
 
     from ssl_vit.models import build_backbone
 
-    kwargs = {"img_size": m.img_size, "in_chans": in_chans, "patch_size": m.patch_size, **m.kwargs}
     try:
         with torch.device("meta"):
-            build_backbone(m.arch, **kwargs)
+            build_backbone(m.arch, **m.backbone_kwargs(in_chans))
     except (ValueError, TypeError, AssertionError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(
