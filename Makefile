@@ -11,7 +11,7 @@ RUN     ?= runs/quickstart
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[cpu,dev]'
 	touch $@
 
 setup: $(BIN)/.installed

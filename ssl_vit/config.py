@@ -93,13 +93,16 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     global_batch: int = 4096  # images per optimizer step, whatever the number of ranks
-    micro_batch: int | None = None  # per rank per forward; None: global_batch / world size
+    micro_batch: int | None = None  # cap per rank per forward (memory); None: no accumulation
     steps: int | None = None  # optimizer steps; or give epochs
     epochs: float | None = None  # in samples of the manifest's split
     # auto: bf16 on GPUs that have it (else fp16); on CPU bf16 autocast only where the CPU has
     # native bf16 (AVX512-BF16/AMX), else fp32: emulated bf16 is slower than fp32
     precision: str = "auto"
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    # Merged last into DeepSpeed's JSON config, e.g. {zero_optimization: {offload_optimizer:
+    # {device: cpu}}} or a lower stage3_param_persistence_threshold
+    deepspeed: dict[str, Any] = field(default_factory=dict)
     compile: bool = False  # torch.compile the model (GPU)
 
 
@@ -244,7 +247,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Checks that need no data; `check_against_data` does the rest once shards are known."""
+    """Checks that need no data; `engine.preflight.check_data` does the rest with the shards."""
     m, o, t = cfg.model, cfg.objective, cfg.train
     if o.kind not in ("mpp", "supervised", "joint", "finetune"):
         raise ConfigError(f"objective.kind={o.kind!r}: choose mpp, supervised, joint or finetune")
@@ -276,12 +279,18 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"data.missing_shards={cfg.data.missing_shards!r}: error or skip")
     if t.global_batch <= 0:
         raise ConfigError(f"train.global_batch={t.global_batch}: must be positive")
+    if t.micro_batch is not None and t.micro_batch <= 0:
+        raise ConfigError(f"train.micro_batch={t.micro_batch}: must be positive (or null)")
     if world_size is not None:
         local_batch(cfg, world_size)
 
 
 def local_batch(cfg: Config, world_size: int) -> tuple[int, int, int]:
-    """(per-rank batch, micro batch, gradient-accumulation steps) for this world size."""
+    """(per-rank batch, micro batch, gradient-accumulation steps) for this world size.
+
+    `train.micro_batch` is a cap (what fits in one device's memory): the micro batch is the
+    largest divisor of the per-rank batch that does not exceed it, so one preset serves 1 GPU
+    (accumulating) and 32 (not needing to)."""
     t = cfg.train
     if t.global_batch % world_size:
         raise ConfigError(
@@ -289,12 +298,8 @@ def local_batch(cfg: Config, world_size: int) -> tuple[int, int, int]:
             "change the batch or the number of processes"
         )
     per_rank = t.global_batch // world_size
-    micro = t.micro_batch or per_rank
-    if per_rank % micro:
-        raise ConfigError(
-            f"train.micro_batch={micro} does not divide the per-rank batch {per_rank} "
-            f"(global {t.global_batch} / {world_size} ranks)"
-        )
+    cap = min(t.micro_batch or per_rank, per_rank)
+    micro = next(m for m in range(cap, 0, -1) if per_rank % m == 0)
     return per_rank, micro, per_rank // micro
 
 

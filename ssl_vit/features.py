@@ -332,12 +332,18 @@ def split_features(
         raise FeatureError(f"unknown pool {pool!r}; choose one of {POOLS}")
     manifest = load_manifest(data)
     info = manifest.split(split)  # raises naming the manifest and the splits it has
+    device = device or default_device()
+    bf16 = (device.type == "cuda") if bf16 is None else bf16
     fields = {
         "backbone": backbone.ident,
         "manifest_sha256": sha256_file(Path(manifest.root) / MANIFEST_NAME),
         "split": split,
         "pool": pool if pool != "lastn" else f"lastn{n_last}",
         "img_size": backbone.img_size,
+        # bf16 features differ in the last bits, and GPU kernels from CPU ones: a cached
+        # file answers only for the arithmetic that made it
+        "device": device.type,
+        "precision": "bf16" if bf16 else "fp32",
     }
 
     def compute() -> tuple[np.ndarray, np.ndarray]:

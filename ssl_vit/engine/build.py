@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import deepspeed
+import torch
+from deepspeed.utils import safe_get_full_fp32_param
 from torch import nn
 
 from ssl_vit.config import Config, ConfigError
@@ -73,6 +77,28 @@ def classifier_of(objective: nn.Module) -> nn.Module | None:
     return None
 
 
+@contextlib.contextmanager
+def _master_weights(objective: nn.Module) -> Iterator[None]:
+    """Inside: every parameter holds its whole fp32 master value (collective under ZeRO).
+
+    Half-precision engines keep fp32 masters in the optimizer; exporting the bf16/fp16 working
+    copy would round every weight the run learned. Under ZeRO-3 the working copies are also
+    partitioned, hence the gather first."""
+    params = list(objective.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        saved = []
+        for p in params:
+            master = safe_get_full_fp32_param(p)  # None without a DeepSpeed master copy
+            if master is not None:
+                saved.append((p, p.data))
+                p.data = master.detach().to(p.device, torch.float32).view(p.shape)
+        try:
+            yield
+        finally:
+            for p, data in saved:
+                p.data = data
+
+
 def export_run(
     objective: nn.Module,
     spec: ModelSpec,
@@ -82,11 +108,12 @@ def export_run(
     extra: dict[str, Any],
     rank: int,
 ) -> None:
-    """Backbone (safetensors + backbone.json) and the objective's own weights, by rank 0.
+    """Backbone (safetensors + backbone.json) and the objective's own weights, by rank 0, in
+    fp32 from the optimizer's master weights where the engine keeps them.
 
-    Every rank must call this: under ZeRO-3 the parameters are gathered from all of them.
+    Every rank must call this: under ZeRO the parameters are gathered from all of them.
     """
-    with deepspeed.zero.GatheredParameters(list(objective.parameters()), modifier_rank=None):
+    with _master_weights(objective):
         if rank == 0:
             export_backbone(
                 objective.backbone, out_dir, arch=spec.arch, kwargs=spec.kwargs,

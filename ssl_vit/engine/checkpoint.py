@@ -6,19 +6,21 @@
 DeepSpeed writes into `<tag>.partial/`; only when every rank has finished is it renamed to
 `<tag>/` and `latest` replaced (temp file + rename). A kill at any moment therefore leaves
 `latest` naming a complete checkpoint, and a leftover `.partial` folder is deleted on the next
-save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks). The run
-directory must be on storage all ranks share (or node-local with one node).
+save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks) and `load`
+(rank 0 decides which checkpoint and tells the others, so no rank can start from another step).
+The run directory must be on storage all ranks share: `check_shared` refuses to start otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
 from ssl_vit.data.manifest import atomic_write_text
-from ssl_vit.engine.distributed import barrier
+from ssl_vit.engine.distributed import all_gather_object, barrier, broadcast_object
 
 STATE_NAME = "trainer_state.json"
 
@@ -76,15 +78,47 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(engine: Any, ckpt_dir: Path) -> dict | None:
-    """Restore model, optimizer and scheduler from the latest complete checkpoint.
+def _unreachable(path: Path, rank: int) -> str:
+    """The ranks (with hosts) that cannot see `path`, as text; empty when every rank can."""
+    seen = all_gather_object((rank, socket.gethostname(), path.is_file()))
+    return ", ".join(f"rank {r} on {host}" for r, host, ok in seen if not ok)
 
-    Returns the trainer state saved with it (step, ...), or None when there is none.
-    """
-    tag = latest_tag(ckpt_dir)
+
+def check_shared(run_dir: Path, rank: int) -> None:
+    """Every rank sees the config rank 0 just wrote, or none starts (a collective).
+
+    On node-local run directories each node would checkpoint and resume on its own."""
+    missing = _unreachable(run_dir / "config.yaml", rank)
+    if missing:
+        raise CheckpointError(
+            f"{run_dir}: {missing} cannot see the run directory that rank 0 wrote; put run.dir "
+            "on storage that every node shares"
+        )
+
+
+def find(ckpt_dir: Path, rank: int) -> tuple[str, dict] | None:
+    """(tag, trainer state) of the checkpoint to resume, the same on every rank, or None for a
+    fresh run. Rank 0 decides; every rank must be able to read it (a collective)."""
+    try:
+        found: tuple = (latest_tag(ckpt_dir), None) if rank == 0 else (None, None)
+    except CheckpointError as e:
+        found = (None, str(e))
+    tag, error = broadcast_object(found)  # type: ignore[misc]
+    if error:
+        raise CheckpointError(error)
     if tag is None:
         return None
+    missing = _unreachable(ckpt_dir / tag / STATE_NAME, rank)
+    if missing:
+        raise CheckpointError(
+            f"{ckpt_dir / tag}: {missing} cannot read this checkpoint; put run.dir on storage "
+            "that every node shares"
+        )
+    return tag, json.loads((ckpt_dir / tag / STATE_NAME).read_text())
+
+
+def restore(engine: Any, ckpt_dir: Path, tag: str) -> None:
+    """Load model and optimizer state of checkpoint `tag` (every rank)."""
     path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None:
-        raise RuntimeError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
-    return json.loads((ckpt_dir / tag / STATE_NAME).read_text())
+        raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")

@@ -37,6 +37,16 @@ def parse(argv: list[str] | None, kind: str, description: str):
             "--backbone", help="export folder or run directory to start from (model.init_from=...)"
         )
     p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
+    p.add_argument(
+        "--world-sizes", metavar="N[,N...]",
+        help="with --check: rank counts to check the batch split for, with the memory per GPU "
+        "at each ZeRO stage (default: this launch's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-data", action="store_true",
+        help="with --check: skip the checks against data.root (e.g. on a login node)",
+    )  # fmt: skip
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="with --check: GPU memory (GiB)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = p.parse_intermixed_args(argv)  # key=value overrides may also follow the flags
@@ -48,6 +58,38 @@ def parse(argv: list[str] | None, kind: str, description: str):
     if getattr(args, "backbone", None):
         overrides.append(f"model.init_from={args.backbone}")
     return args, overrides
+
+
+def _world_sizes(text: str | None, world: int) -> list[int]:
+    if not text:
+        return [world]
+    try:
+        sizes = [int(n) for n in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--world-sizes {text!r}: give positive rank counts, e.g. 1,8,32")
+    return sizes
+
+
+def _check(cfg, args, world: int) -> int:
+    """--check: the config against each launch size (and the data unless --no-data)."""
+    from ssl_vit.engine.memory import describe, estimate  # timm: imported only here
+
+    sizes = _world_sizes(args.world_sizes, world)
+    in_chans = cfg.model.in_chans or 3
+    for n in sizes:
+        validate(cfg, world_size=n)
+        if not args.no_data:
+            manifest, _, _ = check_data(cfg, n)
+            in_chans = cfg.model.in_chans or manifest.channels
+    precision = "fp32" if cfg.train.precision == "fp32" else "bf16"  # on a GPU
+    for n in sizes:
+        if not cfg.model.init_from:
+            print(describe(estimate(cfg, n, in_chans, precision), n, args.gpu_gib))
+    ranks = ", ".join(str(n) for n in sizes)
+    print(f"ok: {args.config or 'defaults'} is valid for {ranks} rank(s)")
+    return 0
 
 
 def main(kind: str, description: str, argv: list[str] | None = None) -> int:
@@ -71,9 +113,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size=world)
         if args.check:
-            check_data(cfg, world)
-            print(f"ok: {args.config or 'defaults'} is valid for {world} rank(s)")
-            return 0
+            return _check(cfg, args, world)
     except (ConfigError, ManifestError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

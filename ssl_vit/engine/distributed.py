@@ -62,3 +62,18 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def all_gather_object(obj: object) -> list:
+    """Every rank's `obj` (small and picklable), in rank order, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -15,9 +15,9 @@ from torch import nn
 from ssl_vit.config import Config, MonitorConfig
 from ssl_vit.data.manifest import Manifest, atomic_write_text
 from ssl_vit.data.stream import make_eval_loader
+from ssl_vit.engine import zero
 from ssl_vit.engine.build import ModelSpec, classifier_of
 from ssl_vit.engine.distributed import all_reduce_sum, barrier
-from ssl_vit.evaluation.knn import knn_eval
 from ssl_vit.features import EvalBackbone, extract_features
 
 log = logging.getLogger("ssl_vit.train")
@@ -45,12 +45,19 @@ def classifier_accuracy(
         rank=rank, world_size=world,
     )  # fmt: skip
     counts = torch.zeros(2, device=device)  # (correct, seen)
-    for images, labels in loader:
-        x = images.to(device).float().div_(255)
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            pred = objective.logits(x).argmax(-1)
-        counts[0] += (pred.cpu() == labels).sum()
-        counts[1] += len(labels)
+    batches: Iterable = ((b, True) for b in loader)
+    if zero.is_zero3(objective):  # each forward is a collective: as many on every rank
+        c = loader.channels
+        placeholder = (torch.zeros(1, c, img_size, img_size, dtype=torch.uint8), torch.zeros(1))
+        batches = zero.even_batches(loader, placeholder, device)
+    with zero.gathered_loose(objective):
+        for (images, labels), real in batches:
+            x = images.to(device).float().div_(255)
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                pred = objective.logits(x).argmax(-1)
+            if real:
+                counts[0] += (pred.cpu() == labels).sum()
+                counts[1] += len(labels)
     objective.train(was_training)
     correct, seen = all_reduce_sum(counts).tolist()
     return correct / max(seen, 1)
@@ -65,8 +72,11 @@ def knn_monitor(
     img_size: int,
     in_chans: int,
 ) -> float:
-    """kNN top-1 (k = cfg.k, T = 0.07) of the current [class] features: a gallery of the first
-    `num_train` samples of the train split, queried by the first `num_eval` of the eval split."""
+    """kNN top-1 (k = cfg.k, T = 0.07) of the current pooled features (`--pool auto`): a
+    gallery of the first `num_train` samples of the train split, queried by the first
+    `num_eval` of the eval split."""
+    from ssl_vit.evaluation.knn import knn_eval  # FAISS loads only when the monitor runs
+
     was_training = backbone.training
     frozen = EvalBackbone(
         model=backbone, meta={"mean": mean, "std": std}, ident="online", img_size=img_size,
@@ -142,7 +152,8 @@ class InTrainingEvals:
             metrics[f"eval/{self.split}_top1"] = top1
             if self.best_top1 is None or top1 > self.best_top1:
                 self.best_top1, self.best_step = top1, step
-                extra = {"step": step, "eval_split": self.split, "eval_top1": top1}
+                extra = {"step": step, "eval_split": self.split, "eval_top1": top1,
+                         "objective": self.cfg.objective.kind}  # fmt: skip
                 self.export(Path(self.cfg.run.dir) / "export_best", extra)
             metrics[f"eval/{self.split}_best_top1"] = self.best_top1
         if self.knn_every and step % self.knn_every == 0:

@@ -12,29 +12,51 @@ from ssl_vit.config import Config
 from ssl_vit.objectives import no_weight_decay_names, param_groups
 
 
-class _SkipNextStep:
-    """Lets the next `step()` be skipped, for steps with a non-finite loss.
+class _SkippableStep:
+    """`step()` does nothing while `skip` is set, for steps with a non-finite loss.
 
-    DeepSpeed calls the client optimizer's `step()` (also under ZeRO, on the fp32 partitions), so
-    skipping here leaves weights and moments untouched however the engine wraps us.
+    DeepSpeed calls the client optimizer's `step()` (also under ZeRO, on the fp32 partitions;
+    ZeRO-1/2 call it once per parameter group), so the trainer sets `skip` around the whole
+    engine step and clears it after: weights and moments stay untouched however the engine
+    wraps us.
     """
 
-    skip_next: bool = False
+    skip: bool = False
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102
-        if self.skip_next:
-            self.skip_next = False
+        if self.skip:
             return None
         return super().step(closure)
 
 
-class SkippableAdamW(_SkipNextStep, torch.optim.AdamW):
+class SkippableAdamW(_SkippableStep, torch.optim.AdamW):
     pass
 
 
-class SkippableSGD(_SkipNextStep, torch.optim.SGD):
+class SkippableSGD(_SkippableStep, torch.optim.SGD):
     pass
+
+
+class StepSchedule:
+    """Each group's lr = its peak lr x `lr_lambda(step)`: a pure function of the step count.
+
+    The trainer sets it from its own step counter (not DeepSpeed's, which does not advance on
+    an fp16 overflow), so the schedule and the step count agree in every mode and a resume
+    needs no scheduler state.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fn) -> None:
+        self.optimizer, self.fn = optimizer, fn
+        self.peaks = [g["lr"] for g in optimizer.param_groups]
+        self.set(0)
+
+    def set(self, step: int) -> None:
+        for group, peak in zip(self.optimizer.param_groups, self.peaks, strict=True):
+            group["lr"] = peak * self.fn(step)
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
 
 
 def _groups(module: torch.nn.Module, weight_decay: float, lr: float, layer_decay: float | None):
@@ -77,7 +99,7 @@ def effective_warmup(warmup_steps: int, total_steps: int) -> int:
 
 def make_optimizer(
     module: torch.nn.Module, cfg: Config, total_steps: int
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+) -> tuple[torch.optim.Optimizer, StepSchedule]:
     o = cfg.optim
     groups = _groups(module, o.weight_decay, o.lr, o.layer_decay)
     if o.name == "sgd":
@@ -85,7 +107,7 @@ def make_optimizer(
     else:
         opt = SkippableAdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
     warmup = effective_warmup(o.warmup_steps, total_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(
+    sched = StepSchedule(
         opt, lambda s: lr_lambda(s, warmup, total_steps, o.schedule, o.min_lr_ratio)
     )
     return opt, sched
@@ -101,27 +123,57 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def gpu_precision(capability: tuple[int, int]) -> str:
+    """bf16 from compute capability 8.0 (Ampere) on, where the tensor cores run it; fp16 before.
+
+    Not `torch.cuda.is_bf16_supported()`: by default it also counts emulation, which would hand
+    V100 / T4 an emulated bf16 many times slower than their fp16 tensor cores."""
+    return "bf16" if capability >= (8, 0) else "fp16"
+
+
 def resolve_precision(requested: str) -> str:
     """'auto': bf16 on GPUs that have it, else fp16; on CPU bf16 autocast only where native."""
     if requested != "auto":
         return requested
     if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return gpu_precision(torch.cuda.get_device_capability())
     return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
-def deepspeed_config(cfg: Config, world_size: int, micro: int, accum: int, precision: str) -> dict:
-    """DeepSpeed's JSON config. On CPU, bf16 runs as torch autocast around fp32 weights."""
-    on_gpu = torch.cuda.is_available()
-    return {
+def _merge(base: dict, extra: dict) -> dict:
+    """`base` with `extra` merged in, nested dicts key by key."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def deepspeed_config(
+    cfg: Config, world_size: int, micro: int, accum: int, engine_precision: str
+) -> dict:
+    """DeepSpeed's JSON config for the weights' precision in the engine: "fp32", "bf16" or
+    "fp16" (on CPU, bf16 runs as torch autocast around fp32 weights, i.e. "fp32" here).
+
+    Half-precision weights keep fp32 master copies, and gradients accumulate and are reduced
+    in fp32: summing many micro-batches or ranks in bf16 (8 mantissa bits) loses the small
+    contributions. ZeRO-0 has no fp32-accumulating bf16 path in DeepSpeed (it would train the
+    bf16 weights directly), so a bf16 run at stage 0 runs DeepSpeed's bf16 optimizer, which
+    also shards the fp32 master weights and moments like stage 1."""
+    stage = cfg.train.zero_stage
+    ds: dict = {
         "train_batch_size": cfg.train.global_batch,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": on_gpu and precision == "bf16"},
-        "fp16": {"enabled": on_gpu and precision == "fp16", "loss_scale": 0},
+        "bf16": {"enabled": engine_precision == "bf16"},
+        "fp16": {"enabled": engine_precision == "fp16", "loss_scale": 0},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if engine_precision == "bf16":
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+        ds["communication_data_type"] = "fp32"
+        ds["zero_optimization"]["stage"] = max(stage, 1)
+    return _merge(ds, cfg.train.deepspeed)

@@ -1,20 +1,25 @@
 """The pretraining loop shared by MPP, supervised and joint pretraining, on DeepSpeed.
 
-One function, `train(cfg)`, run by every rank:
-  set up the process group -> build backbone + objective -> DeepSpeed engine -> resume from
-  RUN/checkpoints/latest if present -> stream shards, step, log, checkpoint -> export backbone.
+`train(cfg)`, run by every rank:
+  set up the process group -> build backbone + objective (FLOPs counted before any wrapping)
+  -> DeepSpeed engine -> resume from RUN/checkpoints/latest if present -> stream shards, step,
+  log, checkpoint -> export the backbone (fp32 master weights).
 
-Running the same command again resumes the same run: model, optimizer, scheduler, step, data
-position (epoch and batch) and MLflow run. Randomness is re-seeded from (seed, rank, step) at
-every step, so a resumed run draws the same masks and augmentations it would have drawn.
+Running the same command again resumes the same run: model, optimizer, step, data position
+(epoch and batch) and MLflow run. The learning rate is a function of the step count, set by us
+every step, so it never lags the step whatever DeepSpeed skips. Randomness is re-seeded from
+(seed, rank, step) at every step, so a resumed run draws the masks and augmentations it would
+have drawn.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
@@ -22,16 +27,12 @@ import torch
 
 from ssl_vit.config import Config, ConfigError, local_batch, save_config
 from ssl_vit.data.manifest import atomic_write_text
-from ssl_vit.data.stream import make_train_loader
-from ssl_vit.engine import checkpoint
+from ssl_vit.data.stream import TrainLoader, make_train_loader
+from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import build_from_config, export_run
 from ssl_vit.engine.distributed import all_reduce_sum, barrier, device_for, init_distributed
 from ssl_vit.engine.evaluate import InTrainingEvals
-from ssl_vit.engine.optim import (
-    deepspeed_config,
-    make_optimizer,
-    resolve_precision,
-)
+from ssl_vit.engine.optim import deepspeed_config, make_optimizer, resolve_precision
 from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.progress import MetricWindow, Progress, write_loss_plot
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
@@ -42,6 +43,24 @@ log = logging.getLogger("ssl_vit.train")
 
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps with a non-finite loss."""
+
+
+@dataclass
+class Counters:
+    """What the loop counts, saved in every checkpoint."""
+
+    step: int = 0
+    nonfinite_in_row: int = 0
+    nonfinite_total: int = 0
+    skipped_total: int = 0  # optimizer steps not applied (non-finite loss or fp16 overflow)
+
+    def state(self) -> dict:
+        return {
+            "step": self.step,
+            "nonfinite_in_row": self.nonfinite_in_row,
+            "nonfinite_total": self.nonfinite_total,
+            "skipped_total": self.skipped_total,
+        }
 
 
 def _check_run_dir(run_dir: Path, cfg: Config) -> None:
@@ -60,6 +79,17 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> None:
             )
 
 
+def _prepare_run_dir(cfg: Config, rank: int, header: str) -> Path:
+    run_dir = Path(cfg.run.dir)
+    if rank == 0:
+        _check_run_dir(run_dir, cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml", header)
+    barrier()
+    checkpoint.check_shared(run_dir, rank)
+    return run_dir
+
+
 def _is_log_step(step: int, every: int, total: int) -> bool:
     return step % every == 0 or step == total
 
@@ -67,6 +97,18 @@ def _is_log_step(step: int, every: int, total: int) -> bool:
 def _grad_norm(module: torch.nn.Module) -> float:
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
+def _flops_per_step(objective: torch.nn.Module, cfg: Config, in_chans: int, images: int) -> float:
+    """Model FLOPs of one optimizer step over `images` images, counted on the plain module
+    before DeepSpeed wraps it (a forward on one rank through a ZeRO engine would be a
+    collective on one rank) with two images: every op here is linear in the batch."""
+    size = cfg.model.img_size
+    x = torch.rand(2, in_chans, size, size)
+    y = torch.zeros(2, dtype=torch.long)
+    flops = count_train_flops(objective, x, y) / 2 * images
+    objective.zero_grad(set_to_none=True)
+    return flops
 
 
 def _train_step(
@@ -78,8 +120,9 @@ def _train_step(
     cpu_autocast: bool,
     window: MetricWindow,
     want_grad_norm: bool,
-) -> tuple[bool, float]:
-    """One optimizer step over the rank's batch, in micro-batches; returns (finite, grad norm).
+) -> tuple[bool, bool, float]:
+    """One optimizer step over the rank's batch, in micro-batches; returns
+    (loss finite, step applied, grad norm).
 
     A non-finite loss on any rank skips the optimizer step on every rank (weights and moments
     untouched); the step still counts, so the data and schedule stay aligned.
@@ -89,23 +132,26 @@ def _train_step(
     labels = labels.to(device, non_blocking=True)
     chunks = list(zip(images.split(micro), labels.split(micro), strict=True))
     bad = torch.zeros((), device=device)
-    grad_norm = 0.0
+    grad_norm, finite = 0.0, True
     for i, (x, y) in enumerate(chunks):
         with torch.autocast("cpu", torch.bfloat16, enabled=cpu_autocast):
             loss, metrics = engine(x, y)
         bad += ~torch.isfinite(loss.detach())
         engine.backward(loss)
-        if i == len(chunks) - 1:  # the accumulation boundary: grads are all-reduced now
+        boundary = i == len(chunks) - 1  # grads are all-reduced now
+        if boundary:
             finite = all_reduce_sum(bad).item() == 0
-            optimizer.skip_next = not finite
+            optimizer.skip = not finite  # ZeRO-1/2 call step() once per param group: all skip
             if want_grad_norm:
                 grad_norm = _grad_norm(engine.module)
         engine.step()
+        optimizer.skip = False
         window.add(loss.detach(), metrics)
+    applied = finite and engine.was_step_applied()  # False on an fp16 overflow too
     reported = engine.get_global_grad_norm()  # set under ZeRO / half precision only
     if want_grad_norm and reported is not None:
         grad_norm = float(reported)
-    return finite, grad_norm
+    return finite, applied, grad_norm
 
 
 def _save_run_id(tracker: Tracker, path: Path) -> None:
@@ -114,43 +160,7 @@ def _save_run_id(tracker: Tracker, path: Path) -> None:
         atomic_write_text(path, tracker.run_id + "\n")
 
 
-def train(cfg: Config, header: str = "") -> Path:
-    """Train as `cfg` says (pretraining or fine-tuning); returns the export folder.
-
-    Every rank calls this."""
-    rank, local_rank, world = init_distributed()
-    per_rank, micro, accum = local_batch(cfg, world)
-    device = device_for(local_rank)
-    precision = resolve_precision(cfg.train.precision)
-
-    manifest, steps_per_epoch, total_steps = check_data(cfg, world)
-
-    run_dir = Path(cfg.run.dir)
-    ckpt_dir = run_dir / "checkpoints"
-    if rank == 0:
-        _check_run_dir(run_dir, cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml", header)
-    barrier()
-
-    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    objective, objective_options, spec = build_from_config(cfg, manifest)
-    optimizer, scheduler = make_optimizer(objective, cfg, total_steps)
-    ds_config = deepspeed_config(cfg, world, micro, accum, precision)
-    if rank == 0:
-        atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
-    engine, _, _, _ = deepspeed.initialize(
-        model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-    )
-    if cfg.train.compile and device.type == "cuda":
-        engine.compile()
-    cpu_autocast = device.type == "cpu" and precision == "bf16"
-
-    state = checkpoint.load(engine, ckpt_dir) or {}
-    step = int(state.get("step", 0))
-    if step and rank == 0:
-        log.info("resumed from step %d (%s)", step, ckpt_dir / checkpoint.tag_for(step))
-
+def _open_tracker(cfg: Config, run_dir: Path, rank: int, fresh: bool, derived: dict) -> Tracker:
     run_id_file = run_dir / "mlflow_run_id"
     tracker = Tracker(
         enabled=rank == 0,
@@ -162,129 +172,193 @@ def train(cfg: Config, header: str = "") -> Path:
     )
     if rank == 0:
         _save_run_id(tracker, run_id_file)
-        if step == 0:
-            tracker.log_params(
-                {**cfg.to_dict(), "derived": {"world_size": world, "accum": accum, "micro": micro}}
-            )
+        if fresh:
+            tracker.log_params({**cfg.to_dict(), "derived": derived})
             tracker.log_artifact(run_dir / "config.yaml")
             tracker.log_artifact(run_dir / "ds_config.json")
+    return tracker
 
-    # Model FLOPs of one optimizer step, counted once on a real-shaped batch (rank 0 only;
-    # every rank does the same work). The matmul peak is measured now, at the same precision.
-    flops_per_step = peak = 0.0
+
+def _resume_state(engine, ckpt_dir: Path, cfg: Config, world: int, loader: TrainLoader) -> dict:
+    """The saved trainer state (or {}), after checking this launch can continue it exactly."""
+    found = checkpoint.find(ckpt_dir, engine.global_rank)
+    if found is None:
+        return {}
+    tag, state = found
+    step, where = int(state["step"]), ckpt_dir / tag
+    saved = {
+        "world size": state.get("world_size", world),
+        "data.num_workers": state.get("num_workers", cfg.data.num_workers),
+        "steps per epoch": state.get("steps_per_epoch", loader.steps_per_epoch),
+    }
+    now = {
+        "world size": world,
+        "data.num_workers": cfg.data.num_workers,
+        "steps per epoch": loader.steps_per_epoch,
+    }
+    changed = [k for k in saved if saved[k] != now[k]]
+    # ZeRO >= 1 keeps optimizer partitions per rank; mid-epoch, the data position is per
+    # (rank, worker) stream and the shards read. Either would silently change the run.
+    if (cfg.train.zero_stage and "world size" in changed) or (
+        changed and step % loader.steps_per_epoch
+    ):
+        what = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in changed)
+        raise checkpoint.CheckpointError(
+            f"{where}: cannot resume exactly ({what}); relaunch with the saved "
+            f"{', '.join(f'{k} {saved[k]}' for k in changed)}, or start a new run.dir with "
+            "model.init_from pointing at this run"
+        )
+    checkpoint.restore(engine, ckpt_dir, tag)
+    log.info("resumed from step %d (%s)", step, where)
+    return state
+
+
+def train(cfg: Config, header: str = "") -> Path:
+    """Train as `cfg` says (pretraining or fine-tuning); returns the export folder.
+
+    Every rank calls this."""
+    rank, local_rank, world = init_distributed()
+    _, micro, accum = local_batch(cfg, world)
+    device = device_for(local_rank)
+    manifest, _, _ = check_data(cfg, world)
+    run_dir = _prepare_run_dir(cfg, rank, header)
+    ckpt_dir = run_dir / "checkpoints"
+
+    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+    objective, objective_options, spec = build_from_config(cfg, manifest)
+    precision = resolve_precision(cfg.train.precision)
+    cpu_autocast = device.type == "cpu" and precision == "bf16"
+    loader = make_train_loader(
+        cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
+        world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
+        seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
+        hflip=cfg.data.hflip, missing=cfg.data.missing_shards,
+    )  # fmt: skip
+    steps_per_epoch = loader.steps_per_epoch  # of the shards actually read
+    total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
+    flops_per_step = 0.0
     if rank == 0:
-        x = torch.rand(micro, spec.in_chans, cfg.model.img_size, cfg.model.img_size, device=device)
-        y = torch.zeros(micro, dtype=torch.long, device=device)
-        with torch.autocast("cpu", torch.bfloat16, enabled=cpu_autocast):
-            flops_per_step = count_train_flops(engine.module, x, y) * accum * world
-        engine.module.zero_grad(set_to_none=True)
+        flops_per_step = _flops_per_step(objective, cfg, spec.in_chans, cfg.train.global_batch)
+
+    optimizer, schedule = make_optimizer(objective, cfg, total_steps)
+    ds_config = deepspeed_config(
+        cfg, world, micro, accum, precision if device.type == "cuda" else "fp32"
+    )
+    if rank == 0:
+        atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
+    if ds_config["zero_optimization"]["stage"] == 3:
+        zero.register_loose_parameters(objective)
+    engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
+    if cfg.train.compile and device.type == "cuda":
+        engine.compile()
+
+    state = _resume_state(engine, ckpt_dir, cfg, world, loader)
+    n = Counters(**{k: int(state.get(k, 0)) for k in Counters().state()})
+    loader.set_epoch(n.step // steps_per_epoch, n.step % steps_per_epoch)
+    schedule.set(n.step)
+    derived = {"world_size": world, "accum": accum, "micro": micro, "precision": precision}
+    tracker = _open_tracker(cfg, run_dir, rank, n.step == 0, derived)
+    peak = 0.0
+    if rank == 0:  # the matmul peak, now, at the training precision: the MFU denominator
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         peak = measure_matmul_peak(dtype, device, n=4096 if device.type == "cuda" else 1024)
 
     window = MetricWindow(device, cfg.train.global_batch)
     metrics_file = run_dir / "metrics.jsonl"
     if rank == 0:
-        window.truncate_file(metrics_file, step)  # drop lines past the checkpoint we resumed
-    progress = Progress(total_steps, step, enabled=rank == 0)
+        window.truncate_file(metrics_file, n.step)  # drop lines past the checkpoint we resumed
+    progress = Progress(total_steps, n.step, enabled=rank == 0)
     evals = InTrainingEvals(
         cfg, manifest, spec, rank, world, steps_per_epoch, total_steps, cpu_autocast, state,
         export=lambda out, extra: export_run(
             engine.module, spec, cfg.objective.kind, objective_options, out, extra, rank
         ),
     )  # fmt: skip
-    nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
-    nonfinite_total = int(state.get("nonfinite_total", 0))
 
     with tracker:  # ends the MLflow run as FAILED (or KILLED) if training raises
-        loader = make_train_loader(
-            cfg.data.root,
-            cfg.data.split,
-            global_batch=cfg.train.global_batch,
-            rank=rank,
-            world_size=world,
-            num_workers=cfg.data.num_workers,
-            img_size=cfg.model.img_size,
-            seed=cfg.run.seed,
-            epoch=step // steps_per_epoch,
-            skip_batches=step % steps_per_epoch,
-            augment=cfg.data.augment,
-            scale=cfg.data.crop_scale,
-            hflip=cfg.data.hflip,
-            missing=cfg.data.missing_shards,
-        )
-        while step < total_steps:
+        while n.step < total_steps:
             batches = iter(loader)
-            while step < total_steps:
+            while n.step < total_steps:
                 t0 = time.perf_counter()
                 images, labels = next(batches, (None, None))
                 if images is None:
                     break
                 t_data = time.perf_counter() - t0
-                torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + step)
-                log_now = _is_log_step(step + 1, cfg.run.log_every, total_steps)
-                finite, grad_norm = _train_step(
+                torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + n.step)
+                log_now = _is_log_step(n.step + 1, cfg.run.log_every, total_steps)
+                finite, applied, grad_norm = _train_step(
                     engine, optimizer, images, labels, micro, cpu_autocast, window, log_now
                 )
-                step += 1
-                nonfinite_in_row = 0 if finite else nonfinite_in_row + 1
-                nonfinite_total += not finite
-                if nonfinite_in_row >= cfg.run.max_nonfinite_steps:
-                    raise NonFiniteLossError(
-                        f"{nonfinite_in_row} steps in a row had a non-finite loss (at step "
-                        f"{step}); stopping. The last good checkpoint is kept in {ckpt_dir}; "
-                        "lower optim.lr or check the data"
-                    )
+                n.step += 1
+                schedule.set(n.step)
+                _count_step(n, finite, applied, cfg.run.max_nonfinite_steps, ckpt_dir)
                 window.end_step(t_data)
                 row = None
                 if log_now:
                     extra = {
-                        "lr": scheduler.get_last_lr()[0],
+                        "lr": schedule.get_last_lr()[0],
                         "grad_norm": grad_norm,
-                        "epoch": step / loader.steps_per_epoch,
-                        "samples_seen": step * cfg.train.global_batch,
-                        "nonfinite_steps": nonfinite_total,
+                        "epoch": n.step / steps_per_epoch,
+                        "samples_seen": n.step * cfg.train.global_batch,
+                        "nonfinite_steps": n.nonfinite_total,
+                        "skipped_steps": n.skipped_total,
                         "skipped_samples": loader.num_skipped,
                     }
                     row = window.flush(extra, flops_per_step, peak, world)
                     if rank == 0:
-                        _save_run_id(tracker, run_id_file)
-                        tracker.log_metrics(row, step=step)
+                        _save_run_id(tracker, run_dir / "mlflow_run_id")
+                        tracker.log_metrics(row, step=n.step)
                         with open(metrics_file, "a") as f:
-                            f.write(json.dumps({"step": step, **row}) + "\n")
-                progress.update(step, row)
-                evals.maybe_run(engine.module, step, tracker)
-                if step % cfg.run.checkpoint_every == 0 or step == total_steps:
+                            f.write(json.dumps({"step": n.step, **row}) + "\n")
+                progress.update(n.step, row)
+                evals.maybe_run(engine.module, n.step, tracker)
+                if n.step % cfg.run.checkpoint_every == 0 or n.step == total_steps:
                     train_state = {
-                        "step": step,
-                        "nonfinite_in_row": nonfinite_in_row,
-                        "nonfinite_total": nonfinite_total,
+                        **n.state(),
                         "world_size": world,
+                        "num_workers": cfg.data.num_workers,
+                        "steps_per_epoch": steps_per_epoch,
                         **evals.state(),
                     }
                     checkpoint.save(
-                        engine, ckpt_dir, step, train_state, rank, cfg.run.keep_checkpoints
+                        engine, ckpt_dir, n.step, train_state, rank, cfg.run.keep_checkpoints
                     )
-            loader.set_epoch(step // loader.steps_per_epoch)
+            loader.set_epoch(n.step // steps_per_epoch)
         progress.close()
-
-        export_dir = run_dir / "export"
-        extra = {"mlflow_run_id": tracker.run_id, "step": step, "objective": cfg.objective.kind}
-        export_run(
-            engine.module, spec, cfg.objective.kind, objective_options, export_dir, extra, rank
-        )
-        if rank == 0:
-            plot = write_loss_plot(metrics_file, run_dir / "loss_curve.png")
-            tracker.log_artifact(export_dir, artifact_path="export")
-            if plot is not None:
-                tracker.log_artifact(plot)
-            evals.write_results(run_dir / "results.json", tracker)
-            tracker.close()
-            log.info(
-                "done: %d steps; backbone exported to %s; MLflow run %s",
-                step,
-                export_dir,
-                tracker.run_id,
-            )
+        export_dir = _finish(cfg, engine, spec, objective_options, run_dir, tracker, evals, n, rank)
     barrier()
     sys.stdout.flush()
+    return export_dir
+
+
+def _count_step(n: Counters, finite: bool, applied: bool, max_in_row: int, ckpt_dir: Path):
+    n.nonfinite_in_row = 0 if finite else n.nonfinite_in_row + 1
+    n.nonfinite_total += not finite
+    n.skipped_total += not applied
+    if n.nonfinite_in_row >= max_in_row:
+        raise NonFiniteLossError(
+            f"{n.nonfinite_in_row} steps in a row had a non-finite loss (at step {n.step}); "
+            f"stopping. The last good checkpoint is kept in {ckpt_dir}; lower optim.lr or "
+            "check the data"
+        )
+
+
+def _finish(cfg, engine, spec, objective_options, run_dir, tracker, evals, n, rank) -> Path:
+    """Export the backbone (every rank: ZeRO gathers), then plot and log (rank 0)."""
+    export_dir = run_dir / "export"
+    extra = {"mlflow_run_id": tracker.run_id, "step": n.step, "objective": cfg.objective.kind}
+    export_run(engine.module, spec, cfg.objective.kind, objective_options, export_dir, extra, rank)
+    if rank == 0:
+        plot = write_loss_plot(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
+        tracker.log_artifact(export_dir, artifact_path="export")
+        if plot is not None:
+            tracker.log_artifact(plot)
+        evals.write_results(run_dir / "results.json", tracker)
+        tracker.close()
+        log.info(
+            "done: %d steps; backbone exported to %s; MLflow run %s",
+            n.step,
+            export_dir,
+            tracker.run_id,
+        )
     return export_dir

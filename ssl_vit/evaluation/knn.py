@@ -18,10 +18,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import faiss
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+try:
+    import faiss
+except ImportError as e:  # neither FAISS extra installed
+    raise ImportError(
+        "FAISS is not installed: pip install 'ssl-vit[cpu]', or 'ssl-vit[gpu]' on a CUDA "
+        "machine (one of the two, never both)"
+    ) from e
 
 DEFAULT_KS = (10, 20, 100, 200)
 DEFAULT_T = 0.07
@@ -37,6 +44,18 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
 
 def use_faiss_gpu() -> bool:
     return hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0
+
+
+_GPU_RESOURCES: dict[int, Any] = {}  # one FAISS scratch allocator per device, reused
+
+
+def to_own_gpu(index: faiss.Index) -> faiss.Index:
+    """`index` on this process's current CUDA device only: under a launcher every rank has its
+    own GPU, and FAISS's all-GPU copy would take memory on the other ranks' devices."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    if device not in _GPU_RESOURCES:
+        _GPU_RESOURCES[device] = faiss.StandardGpuResources()
+    return faiss.index_cpu_to_gpu(_GPU_RESOURCES[device], device, index)
 
 
 def build_index(
@@ -65,7 +84,7 @@ def build_index(
         raise ValueError(f"unknown index kind {kind!r}; choose one of {INDEX_KINDS}")
     gpu = use_faiss_gpu() if gpu is None else gpu
     if gpu and kind != "hnsw":  # FAISS has no GPU HNSW
-        index = faiss.index_cpu_to_all_gpus(index)
+        index = to_own_gpu(index)
     index.add(gallery)
     return index
 

@@ -203,7 +203,7 @@ class MaskedPatchPrediction(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, Corruption]:
         """-> head outputs (B, M, out), targets, corruption."""
         B = images.shape[0]
-        x = normalize(images, self.mean, self.std)
+        x = normalize(images, self.mean, self.std, self.backbone)
         tokens = embed_patches(self.backbone, x)  # (B, N, D)
         corr = draw_corruption(
             B, tokens.shape[1], self.num_corrupt, mask_prob=self.mask_prob,

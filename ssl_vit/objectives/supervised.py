@@ -61,7 +61,7 @@ class SupervisedObjective(nn.Module):
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """images (B, C, H, W) in [0, 1] -> pooled features (B, D)."""
-        x = normalize(images, self.mean, self.std)
+        x = normalize(images, self.mean, self.std, self.backbone)
         return self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,12 @@ from ssl_vit.models.backbones import backbone_kind
 __all__ = ["normalize", "embed_patches", "encode_patches", "num_prefix_tokens", "embed_dim"]
 
 
-def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """(images - mean) / std in float32, returned in the dtype of the mean buffer, i.e. of the
-    module: float32 under autocast, bf16 when an engine (DeepSpeed bf16) cast the whole model."""
-    return ((images.float() - mean.float()) / std.float()).to(mean.dtype)
+def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, like: nn.Module):
+    """(images - mean) / std computed in float32, returned in the dtype of `like`'s weights:
+    float32 under autocast, bf16 when an engine (DeepSpeed bf16) cast the parameters (it leaves
+    buffers such as `mean` in float32, so their dtype says nothing)."""
+    dtype = next(like.parameters()).dtype
+    return ((images.float() - mean.float()) / std.float()).to(dtype)
 
 
 def num_prefix_tokens(backbone: nn.Module) -> int:

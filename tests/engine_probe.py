@@ -1,0 +1,109 @@
+"""Checks of our DeepSpeed wiring on a real engine, run by tests/test_zero.py in a fresh process
+(a DeepSpeed engine needs a process group, which must not leak into the pytest process).
+
+    python tests/engine_probe.py OUT_DIR   -> prints one JSON line of findings
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+from deepspeed.utils import safe_get_full_fp32_param
+from safetensors.torch import load_file
+
+from ssl_vit.config import load_config
+from ssl_vit.engine.build import ModelSpec, export_run
+from ssl_vit.engine.distributed import init_distributed
+from ssl_vit.engine.optim import deepspeed_config, make_optimizer
+from ssl_vit.models import build_backbone
+from ssl_vit.objectives import build_objective
+
+KW = {"img_size": 16, "in_chans": 1, "patch_size": 4, "depth": 2, "embed_dim": 32, "num_heads": 2}
+
+
+def engine_for(stage: int, precision: str, global_batch: int, micro: int):
+    cfg = load_config(
+        None, ["train.steps=10", f"train.global_batch={global_batch}", f"train.zero_stage={stage}",
+               "optim.lr=1e-2", "optim.warmup_steps=1"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    objective = build_objective(
+        "mpp", build_backbone("vit_tiny_patch16_224", **KW), mean=[0.5], std=[0.25]
+    )
+    optimizer, schedule = make_optimizer(objective, cfg, 10)
+    ds = deepspeed_config(cfg, 1, micro, global_batch // micro, precision)
+    engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds)
+    return engine, optimizer, ds
+
+
+def step(engine, optimizer, skip: bool, micro_batches: int = 1) -> None:
+    for i in range(micro_batches):
+        x = torch.rand(engine.train_micro_batch_size_per_gpu(), 1, 16, 16)
+        loss, _ = engine(x, torch.zeros(len(x), dtype=torch.long))
+        engine.backward(loss)
+        if i == micro_batches - 1:
+            optimizer.skip = skip
+        engine.step()
+        optimizer.skip = False
+
+
+def masters(engine) -> list[torch.Tensor]:
+    out = []
+    for p in engine.module.parameters():
+        m = safe_get_full_fp32_param(p)
+        out.append((p if m is None else m).detach().float().clone())
+    return out
+
+
+def skip_under_zero2() -> dict:
+    """A skipped step leaves every parameter group untouched (ZeRO-2 steps group by group)."""
+    engine, optimizer, _ = engine_for(2, "fp32", 8, 8)
+    step(engine, optimizer, skip=False)
+    before = masters(engine)
+    step(engine, optimizer, skip=True)
+    after_skip = masters(engine)
+    step(engine, optimizer, skip=False)
+    after_step = masters(engine)
+    return {
+        "param_groups": len(optimizer.param_groups),
+        "tensors_changed_by_skipped_step": sum(
+            not torch.equal(a, b) for a, b in zip(before, after_skip, strict=True)
+        ),
+        "tensors_changed_by_applied_step": sum(
+            not torch.equal(a, b) for a, b in zip(after_skip, after_step, strict=True)
+        ),
+    }
+
+
+def bf16_export(out: Path) -> dict:
+    """bf16 weights in the engine, 2 micro-batches accumulated: the export holds the fp32
+    masters, not the bf16 working copy."""
+    engine, optimizer, ds = engine_for(0, "bf16", 8, 4)
+    for _ in range(3):
+        step(engine, optimizer, skip=False, micro_batches=2)
+    spec = ModelSpec("vit_tiny_patch16_224", KW, 1, [0.5], [0.25])
+    export_run(engine.module, spec, "mpp", {}, out, {}, rank=0)
+    saved = load_file(str(out / "backbone.safetensors"))
+    names = [n for n, _ in engine.module.backbone.named_parameters()]
+    fp32 = {n: safe_get_full_fp32_param(p) for n, p in engine.module.backbone.named_parameters()}
+    return {
+        "optimizer": type(engine.optimizer).__name__,
+        "ds_stage": ds["zero_optimization"]["stage"],
+        "working_dtype": str(next(engine.module.parameters()).dtype),
+        "export_dtypes": sorted({str(saved[n].dtype) for n in names}),
+        "export_equals_master": all(torch.equal(saved[n], fp32[n].float().cpu()) for n in names),
+        "export_off_bf16_grid": sum(
+            not torch.equal(saved[n], saved[n].bfloat16().float()) for n in names
+        ),
+        "tensors": len(names),
+    }
+
+
+if __name__ == "__main__":
+    init_distributed()
+    found = {"skip": skip_under_zero2(), "bf16": bf16_export(Path(sys.argv[1]))}
+    print(json.dumps(found))
