@@ -23,7 +23,7 @@ import torch
 
 from ssl_vit.data.manifest import check_shards_exist, load_manifest
 from ssl_vit.data.stream import make_eval_loader
-from ssl_vit.evaluation.cli import run_main
+from ssl_vit.evaluation.cli import add_verbose_arg, run_main
 from ssl_vit.inspect import inspect_model
 from ssl_vit.models import build_backbone, load_backbone, token_geometry
 from ssl_vit.objectives import MaskedPatchPrediction
@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the MPP corruption shown")
     p.add_argument("--no-mpp", action="store_true", help="skip the MPP predictions panel")
     p.add_argument("--no-mlflow", action="store_true", help="only write the files")
+    add_verbose_arg(p)
     return p.parse_args(argv)
 
 
@@ -82,7 +83,6 @@ def load_mpp_objective(path: Path, model: torch.nn.Module, mean, std) -> torch.n
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     manifest = load_manifest(args.data)
     check_shards_exist(manifest, args.split)
     parent_run, mpp = None, None

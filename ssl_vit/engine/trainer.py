@@ -36,6 +36,7 @@ from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.progress import MetricWindow, Progress, write_loss_plot
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
 from ssl_vit.tracking import Tracker
+from ssl_vit.tracking.registry import headline_metrics, register_export
 
 log = logging.getLogger("ssl_vit.train")
 
@@ -114,6 +115,18 @@ def _save_run_id(tracker: Tracker, path: Path) -> None:
         atomic_write_text(path, tracker.run_id + "\n")
 
 
+def _register(tracker: Tracker, name: str, run_dir: Path) -> None:
+    """`tracking.register_as`: the logged export becomes a version of `name` (rank 0)."""
+    if not tracker.flushed:  # the export is still in the spool: registering would dangle
+        log.warning(
+            "not registered as %s: the MLflow store did not take the export; after `python -m "
+            "ssl_vit.tracking replay %s`, run `python -m ssl_vit.tracking register %s %s`",
+            name, run_dir / "mlflow_spool", tracker.run_id or "RUN_ID", name,
+        )  # fmt: skip
+        return
+    register_export(tracker.tracking_uri, name, tracker.run_id, tags=headline_metrics(run_dir))
+
+
 def train(cfg: Config, header: str = "") -> Path:
     """Train as `cfg` says (pretraining or fine-tuning); returns the export folder.
 
@@ -166,6 +179,11 @@ def train(cfg: Config, header: str = "") -> Path:
             tracker.log_params(
                 {**cfg.to_dict(), "derived": {"world_size": world, "accum": accum, "micro": micro}}
             )
+            if cfg.model.init_from:  # lineage: what this run started from
+                lineage = {"ssl_vit.init_from": cfg.model.init_from}
+                if spec.source_run_id:
+                    lineage["pretrain_run_id"] = spec.source_run_id
+                tracker.set_tags(lineage)
             tracker.log_artifact(run_dir / "config.yaml")
             tracker.log_artifact(run_dir / "ds_config.json")
 
@@ -279,6 +297,8 @@ def train(cfg: Config, header: str = "") -> Path:
                 tracker.log_artifact(plot)
             evals.write_results(run_dir / "results.json", tracker)
             tracker.close()
+            if cfg.tracking.register_as:
+                _register(tracker, cfg.tracking.register_as, run_dir)
             log.info(
                 "done: %d steps; backbone exported to %s; MLflow run %s",
                 step,

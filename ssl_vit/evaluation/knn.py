@@ -16,12 +16,14 @@ recall against exact search is then measured on the queries and reported.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import faiss
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    import faiss
 
 DEFAULT_KS = (10, 20, 100, 200)
 DEFAULT_T = 0.07
@@ -30,12 +32,16 @@ INDEX_KINDS = ("flat", "ivf", "hnsw")
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
     """Row-wise L2 normalisation into a new float32 C-contiguous array (FAISS needs both)."""
+    import faiss  # on first use, after the entry script set logging up (-v shows its loader)
+
     x = np.array(x, dtype=np.float32, order="C", copy=True)
     faiss.normalize_L2(x)
     return x
 
 
 def use_faiss_gpu() -> bool:
+    import faiss
+
     return hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0
 
 
@@ -50,6 +56,8 @@ def build_index(
     gpu: bool | None = None,
 ) -> faiss.Index:
     """An inner-product index over (already normalised) gallery rows (N, D)."""
+    import faiss
+
     n, d = gallery.shape
     if kind == "flat":
         index = faiss.IndexFlatIP(d)
