@@ -35,7 +35,9 @@ def parse(argv: list[str] | None, kind: str, description: str):
     p.add_argument("--data", help="shard set folder (same as data.root=...)")
     if kind == "finetune":
         p.add_argument(
-            "--backbone", help="export folder or run directory to start from (model.init_from=...)"
+            "--backbone",
+            help="export folder, run directory or MLflow URI (runs:/ID/export, "
+            "models:/NAME/VERSION, models:/NAME@ALIAS) to start from (model.init_from=...)",
         )
     p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
     p.add_argument(
