@@ -154,6 +154,27 @@ def test_study_parent_runs_nest_children(store, tmp_path, monkeypatch):
     assert client.get_run(pid).data.metrics["knn_top1"] == 0.5
 
 
+def test_study_groups_steps_by_method_and_reports_links(store, tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "evals"))
+    import study_mlflow
+    import study_report
+
+    uri, client, _ = store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    runs = study_mlflow.parents(tmp_path, ROOT)
+    envs = [study_mlflow.parent_env(runs, n) for n in ("mpp50", "mpp50/knn", "ft_mpp50")]
+    pid = envs[0][PARENT_ENV]
+    assert {e[PARENT_ENV] for e in envs} == {pid}
+    assert study_mlflow.parent_env(runs, "ft_scratch")[PARENT_ENV] != pid
+    out = tmp_path / "knn.json"
+    out.write_text(json.dumps({"metrics": {"knn_top1@k=20": 0.75, "knn_top1@k=10": 0.7}}))
+    study_mlflow.log_step(runs, "mpp50/knn", out)
+    assert client.get_run(pid).data.metrics == {"knn_top1_k20": 0.75}
+    lines = "\n".join(study_report._mlflow(tmp_path))
+    exp = client.get_run(pid).info.experiment_id
+    assert f"| mpp50 | [{pid}](http://127.0.0.1:5000/#/experiments/{exp}/runs/{pid}) |" in lines
+
+
 TINY = [
     "model.img_size=16", "model.patch_size=4",
     "model.kwargs={depth: 2, embed_dim: 32, num_heads: 2}",
@@ -219,3 +240,17 @@ def test_server_uris_give_the_local_results(tiny_shards, tmp_path):
     assert ft_remote["history"] == ft_local["history"] and len(ft_remote["history"]) == 1
     cached = list((tmp_path / "cache").iterdir())  # runs:/ and models:/ share one download
     assert len(cached) == 1 and (cached[0] / "backbone.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_start_up_is_quiet_unless_verbose(tiny_shards, tmp_path):
+    """A fresh SQLite store and FAISS: their loading lines only with -v."""
+    argv = [str(ROOT / "evals/knn.py"), "--random-init", "vit_tiny_patch16_224", "--patch-size",
+            "4", "--model-kwargs", '{"depth": 1, "embed_dim": 32, "num_heads": 2}', "--data",
+            str(tiny_shards), "--no-cache", "--k", "5"]  # fmt: skip
+    for verbose in (False, True):
+        db = f"sqlite:///{tmp_path / f'v{verbose}.db'}"
+        proc = _py([*argv, "--tracking-uri", db, *(["-v"] if verbose else [])], tmp_path, {})
+        shown = {n for n in ("faiss.loader", "Creating initial MLflow database tables")
+                 if n in proc.stderr}  # fmt: skip
+        assert len(shown) == (2 if verbose else 0), (verbose, proc.stderr)
