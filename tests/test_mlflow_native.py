@@ -254,3 +254,29 @@ def test_start_up_is_quiet_unless_verbose(tiny_shards, tmp_path):
         shown = {n for n in ("faiss.loader", "Creating initial MLflow database tables")
                  if n in proc.stderr}  # fmt: skip
         assert len(shown) == (2 if verbose else 0), (verbose, proc.stderr)
+
+
+def test_register_with_the_store_down_is_a_warning(tmp_path, caplog):
+    import socket
+
+    from ssl_vit.tracking.registry import register_export
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert register_export(f"http://127.0.0.1:{port}", "tiny", "abc") is None
+    assert "python -m ssl_vit.tracking register abc tiny" in caplog.text
+
+
+def test_register_command_makes_a_version_that_resolves(store, tmp_path, capsys):
+    from ssl_vit.tracking import main
+
+    uri, client, exp = store
+    rid = _run_with(client, exp, _export(tmp_path / "src"))
+    assert main(["register", rid, "later", "--tracking-uri", uri]) == 0
+    assert capsys.readouterr().out.strip() == "models:/later/1"
+    assert client.get_run(rid).data.tags["ssl_vit.registered_as"] == "models:/later/1"
+    assert resolve_export("models:/later/1", tracking_uri=uri).run_id == rid
+    empty = client.create_run(exp).info.run_id  # no export logged: nothing to register
+    assert main(["register", empty, "later", "--tracking-uri", uri]) == 1
+    assert len(client.search_model_versions("name='later'")) == 1

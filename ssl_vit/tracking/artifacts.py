@@ -83,7 +83,8 @@ def resolve_export(source: str | os.PathLike, *, tracking_uri: str | None = None
     return _fetch_model_version(uri, store, name, version, alias)
 
 
-def _client(store: str):
+def client_for(store: str):
+    """An MlflowClient that gives up on a dead server within seconds (not minutes of retries)."""
     if store.startswith(("http://", "https://")):  # a dead server answers within seconds
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -105,7 +106,7 @@ def _unreachable(uri: str, store: str, e: Exception) -> ArtifactError:
 def _fetch_model_version(
     uri: str, store: str, name: str, version: str | None, alias: str | None
 ) -> ResolvedExport:
-    client = _client(store)
+    client = client_for(store)
     try:
         versions = client.search_model_versions(f"name='{name}'")
     except Exception as e:
@@ -164,7 +165,7 @@ def _fetch_run_artifact(
     if (folder / "backbone.json").is_file():  # complete and verified: it was renamed in
         log.info("%s: cached in %s", uri, folder)
         return ResolvedExport(folder, uri, run_id, model_version)
-    client = _client(store)
+    client = client_for(store)
     try:
         client.get_run(run_id)
     except Exception as e:

@@ -54,9 +54,10 @@ def register_export(
     """A new version of `name` from the run's export artifact; its number, or None on failure."""
     try:
         from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri)
+        from ssl_vit.tracking.artifacts import client_for
+
+        client = client_for(tracking_uri)
         try:
             client.create_registered_model(name)
         except MlflowException as e:
