@@ -81,10 +81,24 @@ def test_runs_uri_downloads_once_verified_and_models_uri_shares_it(store, tmp_pa
         r = resolve_export(u, tracking_uri=uri)
         assert (r.path, r.run_id, r.model_version) == (got.path, rid, "m/1")
 
-    # A second resolve is served from the cache: it works with the artifacts gone from the store.
-    shutil.rmtree(tmp_path / "artifacts")
+    # A second resolve fetches backbone.json only: the weights in the store are now garbage,
+    # which a new download would refuse (sha256), and the cached copy is served.
+    weights = next((tmp_path / "artifacts").rglob("backbone.safetensors"))
+    weights.write_bytes(b"garbage")
     assert resolve_export(f"runs:/{rid}/export", tracking_uri=uri).path == got.path
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [got.path.name]  # no temp left
+
+    # The run's export replaced (a resumed run exports again): a new entry, not the stale one.
+    shutil.rmtree(tmp_path / "src")
+    src = _export(tmp_path / "src")
+    save_file({"w": torch.ones(2, 3)}, str(src / "backbone.safetensors"))
+    meta = json.loads((src / "backbone.json").read_text())
+    meta["files"]["backbone.safetensors"] = _sha(src / "backbone.safetensors")
+    (src / "backbone.json").write_text(json.dumps(meta))
+    client.log_artifacts(rid, str(src), "export")
+    new = resolve_export(f"runs:/{rid}/export", tracking_uri=uri)
+    assert new.path != got.path
+    assert _sha(new.path / "backbone.safetensors") == _sha(src / "backbone.safetensors")
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,11 @@ The one place every `--backbone`, `model.init_from` and `--check` turns a URI in
 export folder; a plain path comes back as it is. The trainer logs RUN/export as the run's
 `export` artifact, so a run seen in the MLflow UI is enough: no access to the run directory.
 
-Artifacts are downloaded once into a cache keyed by what they are (the resolved run id and
-artifact path; a registry version resolves to its run's artifact, so `runs:/` and `models:/`
-share it): $SSL_VIT_MLFLOW_CACHE, else ~/.cache/ssl-vit/mlflow. A download lands in a temporary
+Artifacts are downloaded once into a cache keyed by their content: the sha256 of the export's
+backbone.json (fetched first, a few hundred bytes), which records every file's sha256; a
+registry version resolves to its run's artifact, so `runs:/` and `models:/` share an entry, and
+a run whose export was replaced gets a new one. $SSL_VIT_MLFLOW_CACHE, else
+~/.cache/ssl-vit/mlflow. A download lands in a temporary
 folder, every file backbone.json lists under `files` is checked against its sha256, every
 `.safetensors` file must parse as safetensors, and only then is the folder renamed into place,
 so the cache never holds a half-written or unverified export. Pickled weights (`.pt`, `.pth`,
@@ -160,11 +162,6 @@ def _fetch_model_version(
 def _fetch_run_artifact(
     uri: str, store: str, run_id: str, path: str, model_version: str | None
 ) -> ResolvedExport:
-    key = hashlib.sha256(f"run:{run_id}/{path}".encode()).hexdigest()[:32]
-    folder = cache_root() / key
-    if (folder / "backbone.json").is_file():  # complete and verified: it was renamed in
-        log.info("%s: cached in %s", uri, folder)
-        return ResolvedExport(folder, uri, run_id, model_version)
     client = client_for(store)
     try:
         client.get_run(run_id)
@@ -187,10 +184,28 @@ def _fetch_run_artifact(
             "exported, or its spool replayed?"
         )
     _check_listing(uri, names)
-    folder = _download(
-        uri, store, key, dict(run_id=run_id, artifact_path=path), run_id, f"runs:/{run_id}/{path}"
-    )
+    # Keyed by content: backbone.json holds every file's sha256, so a run whose export was
+    # replaced (a resumed run exports again) gets a new entry, never the stale one.
+    meta = _fetch_meta(uri, store, run_id, path)
+    key = hashlib.sha256(meta).hexdigest()[:32]
+    what = dict(run_id=run_id, artifact_path=path)
+    folder = _download(uri, store, key, what, run_id, f"runs:/{run_id}/{path}", meta)
     return ResolvedExport(folder, uri, run_id, model_version)
+
+
+def _fetch_meta(uri: str, store: str, run_id: str, path: str) -> bytes:
+    """backbone.json alone (small): the cache key, fetched before any weights."""
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            got = mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path=f"{path}/backbone.json", dst_path=tmp,
+                tracking_uri=store,
+            )  # fmt: skip
+            return Path(got).read_bytes()
+        except Exception as e:
+            raise _unreachable(uri, store, e) from None
 
 
 def _check_listing(uri: str, names: set[str]) -> None:
@@ -209,14 +224,21 @@ def _check_listing(uri: str, names: set[str]) -> None:
 
 
 def _download(
-    uri: str, store: str, key: str, what: dict, run_id: str | None, resolved: str
+    uri: str,
+    store: str,
+    key: str,
+    what: dict,
+    run_id: str | None,
+    resolved: str,
+    meta: bytes | None = None,
 ) -> Path:
     """Download into a temporary folder, verify, rename to cache/key; returns cache/key."""
     import mlflow
 
     root = cache_root()
     folder = root / key
-    if (folder / "backbone.json").is_file():
+    if (folder / "backbone.json").is_file():  # complete and verified: it was renamed in
+        log.info("%s: cached in %s", uri, folder)
         return folder
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
@@ -231,6 +253,8 @@ def _download(
         if got.is_file():  # an artifact path naming one file: use its folder
             got = got.parent
         _check_listing(uri, {p.name for p in got.iterdir() if p.is_file()})
+        if meta is not None and (got / "backbone.json").read_bytes() != meta:
+            raise ArtifactError(f"{uri}: the export changed while it was downloaded; retry")
         verify_export(got, uri)
         source = {"uri": uri, "resolved": resolved, "run_id": run_id, "tracking_uri": store}
         (got / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
