@@ -23,12 +23,14 @@ import torch
 
 from ssl_vit.data.manifest import check_shards_exist, load_manifest
 from ssl_vit.data.stream import make_eval_loader
-from ssl_vit.evaluation.cli import run_main
+from ssl_vit.evaluation.cli import add_verbose_arg, run_main
+from ssl_vit.evaluation.report import pretrain_run_id
 from ssl_vit.inspect import inspect_model
 from ssl_vit.models import build_backbone, load_backbone, token_geometry
 from ssl_vit.objectives import MaskedPatchPrediction
 from ssl_vit.objectives.export import load_objective
 from ssl_vit.tracking import Tracker
+from ssl_vit.tracking.artifacts import resolve_export
 
 log = logging.getLogger("inspect_vit")
 
@@ -36,7 +38,11 @@ log = logging.getLogger("inspect_vit")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--backbone", type=Path, help="export folder or pretraining run directory")
+    src.add_argument(
+        "--backbone",
+        help="export folder, pretraining run directory, or MLflow URI (runs:/ID/export, "
+        "models:/NAME/VERSION, models:/NAME@ALIAS)",
+    )
     src.add_argument("--random-init", metavar="ARCH", help="timm arch, untrained (a baseline)")
     p.add_argument("--data", type=Path, required=True, help="shard set (folder with manifest.json)")
     p.add_argument("--split", default="test", help="split to draw images from (default: test)")
@@ -53,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the MPP corruption shown")
     p.add_argument("--no-mpp", action="store_true", help="skip the MPP predictions panel")
     p.add_argument("--no-mlflow", action="store_true", help="only write the files")
+    add_verbose_arg(p)
     return p.parse_args(argv)
 
 
@@ -82,21 +89,18 @@ def load_mpp_objective(path: Path, model: torch.nn.Module, mean, std) -> torch.n
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     manifest = load_manifest(args.data)
     check_shards_exist(manifest, args.split)
     parent_run, mpp = None, None
     if args.backbone is not None:
-        model, meta = load_backbone(args.backbone, img_size=args.img_size)
+        source = resolve_export(args.backbone)  # a path, or an MLflow URI (downloaded, cached)
+        model, meta = load_backbone(source.path, img_size=args.img_size)
         mean, std, name = meta["mean"], meta["std"], meta["arch"]
-        # The pretraining run's id: RUN_DIR/mlflow_run_id, else what the trainer put in the export.
-        run_id_file = args.backbone / "mlflow_run_id"
-        if run_id_file.is_file():
-            parent_run = run_id_file.read_text(encoding="utf-8").strip() or None
-        parent_run = parent_run or meta.get("mlflow_run_id")
+        # The pretraining run: the URI's run, RUN_DIR/mlflow_run_id, or the export's record.
+        parent_run = source.run_id or pretrain_run_id(source.path, meta)
         if not args.no_mpp:
             try:
-                mpp = load_mpp_objective(args.backbone, model, mean, std)
+                mpp = load_mpp_objective(source.path, model, mean, std)
             except (ValueError, KeyError) as e:  # an export that does not match
                 log.warning("%s: no MPP panel (%s)", args.backbone, e)
     else:

@@ -2,6 +2,7 @@
 
 python evals/knn.py --backbone runs/quickstart --data shards/fashion-mnist --out knn.json
 python evals/knn.py --random-init vit_tiny_patch16_224 --patch-size 4 --data shards/fashion-mnist
+python evals/knn.py --backbone runs:/RUN_ID/export --data shards/fashion-mnist   # from MLflow
 """
 
 from __future__ import annotations

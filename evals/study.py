@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import study_mlflow
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = Path("runs/study")
 SHARDS = "shards/fashion-mnist"
@@ -145,6 +147,7 @@ def run(only: list[str] | None = None) -> int:
         return 2
     STUDY.mkdir(parents=True, exist_ok=True)
     (STUDY / "logs").mkdir(exist_ok=True)
+    parents = study_mlflow.parents(STUDY, ROOT)  # one MLflow parent run per method
     for step in steps:
         if step.output.exists() or (only and step.name not in only):
             continue
@@ -152,13 +155,17 @@ def run(only: list[str] | None = None) -> int:
         print(f"[study] {step.name}: {step.command}  (log: {log})", flush=True)
         t0 = time.time()
         with open(log, "a") as f:
-            rc = subprocess.call([sys.executable, *step.argv], cwd=ROOT, stdout=f, stderr=f)
+            env = study_mlflow.parent_env(parents, step.name)  # the step's run nests under it
+            rc = subprocess.call(
+                [sys.executable, *step.argv], cwd=ROOT, stdout=f, stderr=f, env=env
+            )
         seconds = time.time() - t0
         with open(STUDY / "steps.jsonl", "a") as f:
             f.write(json.dumps({"name": step.name, "returncode": rc, "seconds": seconds}) + "\n")
         if rc != 0:
             print(f"[study] {step.name} failed (exit {rc}); see {log}", flush=True)
             return rc
+        study_mlflow.log_step(parents, step.name, step.output)
     done = "the steps asked for" if only else "all steps"
     print(f"[study] {done} done; python evals/study.py report", flush=True)
     return 0

@@ -7,6 +7,7 @@ the reference accuracies, quoted with their source.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,27 @@ def _goals(study: Path) -> list[str]:
     return lines
 
 
+def _mlflow(study: Path) -> list[str]:
+    """The parent run of each method (see study_mlflow), linked to its page in `mlflow ui`."""
+    from study_mlflow import EXPERIMENT, PARENTS_FILE
+
+    from ssl_vit.tracking.nesting import run_link
+
+    parents = _json(study / PARENTS_FILE) or {}
+    if not parents:
+        return []
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    lines = ["", "## In MLflow", "",
+             f"Each method is a parent run in experiment `{EXPERIMENT}` with its pretraining, "
+             "evaluations and fine-tuning nested under it, and its headline numbers logged on "
+             f"it: `mlflow ui --backend-store-uri {uri}`, select the parents, Compare.", "",
+             "| method | parent run |", "|---|---|"]  # fmt: skip
+    for method, p in parents.items():
+        link = run_link(uri, p["experiment_id"], p["run_id"])
+        lines.append(f"| {method} | [{p['run_id']}]({link}) |")
+    return lines
+
+
 def write_report(
     plan: list, timings: dict[str, float], study: Path, out: Path, budget: str
 ) -> None:
@@ -165,6 +187,7 @@ def write_report(
               "from supervised JFT pretraining (84.2%)."]  # fmt: skip
     lines += _goals(study)
     lines += _figures(study, out.parent)
+    lines += _mlflow(study)
     lines += ["", "## Every step", "", "| step | command | MLflow run | wall time |",
               "|---|---|---|---|"]  # fmt: skip
     for step in plan:

@@ -111,6 +111,7 @@ class TrackingConfig:
     experiment: str = "ssl-vit"
     run_name: str | None = None
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    register_as: str | None = None  # registered model name: the export becomes a new version
 
 
 @dataclass

@@ -57,6 +57,7 @@ class EvalBackbone:
     in_chans: int
     source: str  # path or "random:ARCH"
     run_dir: Path | None = None  # the pretraining run directory, when known
+    source_run_id: str | None = None  # the MLflow run the export came from (an MLflow URI)
 
 
 @dataclass

@@ -29,6 +29,7 @@ PRE = [*RUN, "model.img_size=16", "train.global_batch=32", "train.steps=2", "--c
 # Evals: a small random baseline, no MLflow run, no feature cache outside the test.
 RANDOM = ["--random-init", "vit_tiny_patch16_224", "--patch-size", "4", "--data", "{S}"]
 EVAL = ["--no-mlflow", "--cache-dir", "{O}/cache"]
+NO_RUN = "0123456789abcdef0123456789abcdef"  # a run id no store holds
 
 ROWS = [
     # data_prep/make_shards.py: argparse errors exit 2, errors in the inputs exit 1
@@ -126,6 +127,23 @@ ROWS = [
     ("inspect-backbone-without-export", ["evals/inspect_vit.py", "--backbone", "{B}/noexport",
                                          "--data", "{S}", "--out", "{O}", "--no-mlflow"], 2,
      "noexport: no backbone.json here or in"),
+    # --backbone / model.init_from by MLflow URI ({M}: a real SQLite store, see `store`)
+    ("knn-uri-unknown-run", ["evals/knn.py", "--backbone", f"runs:/{NO_RUN}/export",
+                             "--data", "{S}", *EVAL, "--tracking-uri", "{M}"], 2,
+     f"runs:/{NO_RUN}/export: no run {NO_RUN} in MLflow store"),
+    ("probe-uri-missing-artifact", ["evals/linear_probe.py", "--backbone", "runs:/{R0}/export",
+                                    "--data", "{S}", *EVAL, "--tracking-uri", "{M}"], 2,
+     "runs:/{R0}/export: run {R0} has no artifact 'export'"),
+    ("fewshot-uri-model-without-versions", ["evals/fewshot.py", "--backbone", "models:/empty/1",
+                                            "--data", "{S}", *EVAL, "--tracking-uri", "{M}"], 2,
+     "models:/empty/1: registered model 'empty' has no versions"),
+    ("knn-uri-pickled-weights", ["evals/knn.py", "--backbone", "runs:/{RP}/export",
+                                 "--data", "{S}", *EVAL, "--tracking-uri", "{M}"], 2,
+     "runs:/{RP}/export: holds backbone.pt (pickled weights) and no backbone.safetensors"),
+    ("finetune-uri-unknown-model", [FINETUNE, "--config", "configs/fmnist_finetune.yaml", *RUN,
+                                    "model.init_from=models:/nosuch@best", "tracking.uri={M}",
+                                    "--check"], 2,
+     "model.init_from: models:/nosuch@best: no registered model 'nosuch'"),
     ("inspect-manifest-version", ["evals/inspect_vit.py", "--random-init", "vit_tiny_patch16_224",
                                   "--data", "{B}/v99", "--out", "{O}", "--no-mlflow"], 2,
      "v99/manifest.json: format_version 99 is not supported"),
@@ -154,8 +172,30 @@ def bad(tmp_path_factory) -> Path:
     return b
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict[str, str]:
+    """A real MLflow SQLite store: a run without an export ({R0}), a run whose export holds
+    pickled weights instead of safetensors ({RP}), a registered model without versions."""
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path_factory.mktemp("store")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("bad", artifact_location=str(root / "artifacts"))
+    pickled = root / "export"
+    pickled.mkdir()
+    torch.save({"w": torch.zeros(2)}, pickled / "backbone.pt")
+    (pickled / "backbone.json").write_text('{"format_version": 1, "arch": "x", "kwargs": {}}')
+    r0, rp = (client.create_run(exp).info.run_id for _ in range(2))
+    client.log_artifacts(rp, str(pickled), "export")
+    client.create_registered_model("empty")
+    return {"M": uri, "R0": r0, "RP": rp}
+
+
 # Rows whose command must import timm before it can tell (about 10 s each on a busy machine).
 SLOW = {
+    "finetune-uri-unknown-model",
     "unknown-model-name",
     "model-kwargs-not-taken",
     "finetune-backbone-missing",
@@ -168,9 +208,11 @@ PARAMS = [
 
 
 @pytest.mark.parametrize("argv,code,message", PARAMS)
-def test_bad_input_is_one_line_error(argv, code, message, bad, tiny_shards, tmp_path):
-    where = {"S": tiny_shards, "IDX": tiny_shards.parent / "idx", "B": bad, "O": tmp_path / "out"}
-    proc = run_cli([a.format(**where) for a in argv], timeout=300)
+def test_bad_input_is_one_line_error(argv, code, message, bad, store, tiny_shards, tmp_path):
+    where = {"S": tiny_shards, "IDX": tiny_shards.parent / "idx", "B": bad, "O": tmp_path / "out",
+             **store}  # fmt: skip
+    env = {"SSL_VIT_MLFLOW_CACHE": str(tmp_path / "mlflow-cache")}  # never the user's cache
+    proc = run_cli([a.format(**where) for a in argv], timeout=300, env=env)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines, f"no message on stderr; stdout: {proc.stdout[-1000:]}"

@@ -16,8 +16,12 @@ from torch import nn
 from ssl_vit.config import Config, ConfigError
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.models import build_backbone, export_backbone, load_backbone
+from ssl_vit.models.export import record_files
 from ssl_vit.objectives import build_objective
+from ssl_vit.objectives.export import META as OBJECTIVE_META
+from ssl_vit.objectives.export import WEIGHTS as OBJECTIVE_WEIGHTS
 from ssl_vit.objectives.export import save_objective
+from ssl_vit.tracking.artifacts import resolve_export
 
 
 @dataclass
@@ -29,6 +33,7 @@ class ModelSpec:
     in_chans: int
     mean: list[float]
     std: list[float]
+    source_run_id: str | None = None  # `init_from`: the MLflow run that produced the export
 
 
 def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict, ModelSpec]:
@@ -39,12 +44,14 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
     """
     m, o = cfg.model, cfg.objective
     if m.init_from:
-        try:
-            backbone, meta = load_backbone(m.init_from, img_size=m.img_size)
+        try:  # a path, or an MLflow URI (downloaded once, by preflight, into the cache)
+            source = resolve_export(m.init_from, tracking_uri=cfg.tracking.uri)
+            backbone, meta = load_backbone(source.path, img_size=m.img_size)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"model.init_from: {e}") from None
         kwargs = {**meta["kwargs"], "img_size": m.img_size}
-        spec = ModelSpec(meta["arch"], kwargs, kwargs["in_chans"], meta["mean"], meta["std"])
+        spec = ModelSpec(meta["arch"], kwargs, kwargs["in_chans"], meta["mean"], meta["std"],
+                         source.run_id or meta.get("mlflow_run_id"))  # fmt: skip
     else:
         in_chans = m.in_chans or manifest.channels
         kwargs = m.backbone_kwargs(in_chans)
@@ -120,3 +127,4 @@ def export_run(
                 mean=spec.mean, std=spec.std, extra=extra,
             )  # fmt: skip
             save_objective(objective, out_dir, kind, options)
+            record_files(out_dir, [OBJECTIVE_WEIGHTS, OBJECTIVE_META])

@@ -11,6 +11,7 @@ import sys
 from ssl_vit.config import ConfigError, load_config, validate
 from ssl_vit.data.manifest import ManifestError
 from ssl_vit.engine.preflight import check_data
+from ssl_vit.logs import setup_logging
 
 EPILOG = """\
 overrides: any config key as key=value (YAML values), e.g.
@@ -34,7 +35,9 @@ def parse(argv: list[str] | None, kind: str, description: str):
     p.add_argument("--data", help="shard set folder (same as data.root=...)")
     if kind == "finetune":
         p.add_argument(
-            "--backbone", help="export folder or run directory to start from (model.init_from=...)"
+            "--backbone",
+            help="export folder, run directory or MLflow URI (runs:/ID/export, "
+            "models:/NAME/VERSION, models:/NAME@ALIAS) to start from (model.init_from=...)",
         )
     p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
     p.add_argument(
@@ -47,6 +50,9 @@ def parse(argv: list[str] | None, kind: str, description: str):
         help="with --check: skip the checks against data.root (e.g. on a login node)",
     )  # fmt: skip
     p.add_argument("--gpu-gib", type=float, default=80.0, help="with --check: GPU memory (GiB)")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="also show the libraries' start-up lines"
+    )
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = p.parse_intermixed_args(argv)  # key=value overrides may also follow the flags
@@ -96,13 +102,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     """Parse, validate, train; configuration and data errors exit 2 with one line, no traceback."""
     args, overrides = parse(argv, kind, description)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(name)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging(args.verbose, level=logging.INFO if rank == 0 else logging.WARNING)
     header = "# " + shlex.join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])])
     try:
         cfg = load_config(args.config, overrides)

@@ -7,7 +7,6 @@ answer in a moment, and so a run directory is never created for a run that canno
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from ssl_vit.config import Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
@@ -49,10 +48,11 @@ def check_model(cfg: Config, in_chans: int) -> None:
     m = cfg.model
     if m.init_from:
         from ssl_vit.models.export import WEIGHTS, find_export  # imported late: torch, timm
+        from ssl_vit.tracking.artifacts import resolve_export
 
-        try:
-            folder = find_export(Path(m.init_from))
-        except FileNotFoundError as e:
+        try:  # an MLflow URI is downloaded (verified) into the cache here, once
+            folder = find_export(resolve_export(m.init_from, tracking_uri=cfg.tracking.uri).path)
+        except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model.init_from: {e}") from None
         if not (folder / WEIGHTS).is_file():
             raise ConfigError(

@@ -37,6 +37,7 @@ from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.progress import MetricWindow, Progress, write_loss_plot
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
 from ssl_vit.tracking import Tracker
+from ssl_vit.tracking.registry import headline_metrics, register_export
 
 log = logging.getLogger("ssl_vit.train")
 
@@ -160,7 +161,21 @@ def _save_run_id(tracker: Tracker, path: Path) -> None:
         atomic_write_text(path, tracker.run_id + "\n")
 
 
-def _open_tracker(cfg: Config, run_dir: Path, rank: int, fresh: bool, derived: dict) -> Tracker:
+def _register(tracker: Tracker, name: str, run_dir: Path) -> None:
+    """`tracking.register_as`: the logged export becomes a version of `name` (rank 0)."""
+    if not tracker.flushed:  # the export is still in the spool: registering would dangle
+        log.warning(
+            "not registered as %s: the MLflow store did not take the export; after `python -m "
+            "ssl_vit.tracking replay %s`, run `python -m ssl_vit.tracking register %s %s`",
+            name, run_dir / "mlflow_spool", tracker.run_id or "RUN_ID", name,
+        )  # fmt: skip
+        return
+    register_export(tracker.tracking_uri, name, tracker.run_id, tags=headline_metrics(run_dir))
+
+
+def _open_tracker(
+    cfg: Config, run_dir: Path, rank: int, fresh: bool, derived: dict, source_run_id: str | None
+) -> Tracker:
     run_id_file = run_dir / "mlflow_run_id"
     tracker = Tracker(
         enabled=rank == 0,
@@ -174,6 +189,11 @@ def _open_tracker(cfg: Config, run_dir: Path, rank: int, fresh: bool, derived: d
         _save_run_id(tracker, run_id_file)
         if fresh:
             tracker.log_params({**cfg.to_dict(), "derived": derived})
+            if cfg.model.init_from:  # lineage: what this run started from
+                lineage = {"ssl_vit.init_from": cfg.model.init_from}
+                if source_run_id:
+                    lineage["pretrain_run_id"] = source_run_id
+                tracker.set_tags(lineage)
             tracker.log_artifact(run_dir / "config.yaml")
             tracker.log_artifact(run_dir / "ds_config.json")
     return tracker
@@ -257,7 +277,7 @@ def train(cfg: Config, header: str = "") -> Path:
     loader.set_epoch(n.step // steps_per_epoch, n.step % steps_per_epoch)
     schedule.set(n.step)
     derived = {"world_size": world, "accum": accum, "micro": micro, "precision": precision}
-    tracker = _open_tracker(cfg, run_dir, rank, n.step == 0, derived)
+    tracker = _open_tracker(cfg, run_dir, rank, n.step == 0, derived, spec.source_run_id)
     peak = 0.0
     if rank == 0:  # the matmul peak, now, at the training precision: the MFU denominator
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -355,6 +375,8 @@ def _finish(cfg, engine, spec, objective_options, run_dir, tracker, evals, n, ra
             tracker.log_artifact(plot)
         evals.write_results(run_dir / "results.json", tracker)
         tracker.close()
+        if cfg.tracking.register_as:
+            _register(tracker, cfg.tracking.register_as, run_dir)
         log.info(
             "done: %d steps; backbone exported to %s; MLflow run %s",
             n.step,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,11 +25,23 @@ from ssl_vit.features import (
     resolve_pool,
     split_features,
 )
+from ssl_vit.logs import setup_logging, wants_verbose
+from ssl_vit.tracking.artifacts import resolve_export
+
+
+def add_verbose_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="also show the libraries' start-up lines"
+    )
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--backbone", help="export folder (backbone.safetensors + .json) or run dir")
+    src.add_argument(
+        "--backbone",
+        help="export folder (backbone.safetensors + .json), run dir, or an MLflow URI: "
+        "runs:/RUN_ID/export, models:/NAME/VERSION, models:/NAME@ALIAS",
+    )
     src.add_argument("--random-init", metavar="ARCH", help="baseline: a random timm backbone")
     src.add_argument(
         "--raw-pixels", action="store_true", help="baseline: the normalised pixels as features"
@@ -74,6 +85,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default=None, help="results JSON (default: print only)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    add_verbose_arg(p)
     p.add_argument(
         "--tracking-uri",
         default=None,
@@ -83,7 +95,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
     if args.backbone:
-        return load_eval_backbone(args.backbone, img_size=args.img_size)
+        resolved = resolve_export(args.backbone, tracking_uri=args.tracking_uri)
+        bb = load_eval_backbone(resolved.path, img_size=args.img_size)
+        if resolved.uri:  # lineage: the URI as given, and the run that logged the export
+            bb.source, bb.source_run_id = resolved.uri, resolved.run_id
+        return bb
     m = load_manifest(args.data)
     size = args.img_size or (m.image_size[0] if m.image_size else None)
     if size is None:
@@ -132,7 +148,9 @@ def report(
     seconds: float,
 ) -> dict[str, Any]:
     """Print the table, write the JSON, log to MLflow; return the results dict."""
-    parent = pretrain_run_id(args.backbone, bb.meta) if args.backbone else None
+    parent = None
+    if args.backbone:
+        parent = bb.source_run_id or pretrain_run_id(args.backbone, bb.meta)
     params = {
         "backbone": bb.source,
         "backbone_id": bb.ident,
@@ -172,10 +190,9 @@ def report(
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run an eval's main; bad input becomes a one-line error and exit status 2."""
-    # Progress lines (features, probe sweep) go through logging when stderr is not a TTY.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("alembic", "mlflow", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Progress lines (features, probe sweep) go through logging when stderr is not a TTY;
+    # library start-up lines only with -v (read here: the parser runs inside `main`).
+    setup_logging(wants_verbose(argv), fmt="%(asctime)s %(name)s: %(message)s", datefmt=None)
     try:
         return main(argv)
     except (FeatureError, ManifestError, FileNotFoundError, ValueError) as e:

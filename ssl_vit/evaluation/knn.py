@@ -16,33 +16,43 @@ recall against exact search is then measured on the queries and reported.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-try:
+if TYPE_CHECKING:
     import faiss
-except ImportError as e:  # neither FAISS extra installed
-    raise ImportError(
-        "FAISS is not installed: pip install 'ssl-vit[cpu]', or 'ssl-vit[gpu]' on a CUDA "
-        "machine (one of the two, never both)"
-    ) from e
 
 DEFAULT_KS = (10, 20, 100, 200)
 DEFAULT_T = 0.07
 INDEX_KINDS = ("flat", "ivf", "hnsw")
 
 
+def _faiss():
+    """FAISS, imported on first use (after the entry script set logging up: -v shows its
+    loader lines), with the install line when neither FAISS extra is installed."""
+    try:
+        import faiss
+    except ImportError as e:
+        raise ImportError(
+            "FAISS is not installed: pip install 'ssl-vit[cpu]', or 'ssl-vit[gpu]' on a CUDA "
+            "machine (one of the two, never both)"
+        ) from e
+    return faiss
+
+
 def l2_normalize(x: np.ndarray) -> np.ndarray:
     """Row-wise L2 normalisation into a new float32 C-contiguous array (FAISS needs both)."""
+    faiss = _faiss()
     x = np.array(x, dtype=np.float32, order="C", copy=True)
     faiss.normalize_L2(x)
     return x
 
 
 def use_faiss_gpu() -> bool:
+    faiss = _faiss()
     return hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0
 
 
@@ -52,6 +62,7 @@ _GPU_RESOURCES: dict[int, Any] = {}  # one FAISS scratch allocator per device, r
 def to_own_gpu(index: faiss.Index) -> faiss.Index:
     """`index` on this process's current CUDA device only: under a launcher every rank has its
     own GPU, and FAISS's all-GPU copy would take memory on the other ranks' devices."""
+    faiss = _faiss()
     device = torch.cuda.current_device() if torch.cuda.is_available() else 0
     if device not in _GPU_RESOURCES:
         _GPU_RESOURCES[device] = faiss.StandardGpuResources()
@@ -69,6 +80,7 @@ def build_index(
     gpu: bool | None = None,
 ) -> faiss.Index:
     """An inner-product index over (already normalised) gallery rows (N, D)."""
+    faiss = _faiss()
     n, d = gallery.shape
     if kind == "flat":
         index = faiss.IndexFlatIP(d)

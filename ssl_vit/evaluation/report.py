@@ -1,10 +1,11 @@
 """Eval results: a JSON file, a printed table, and an MLflow run linked to the pretraining run.
 
-The MLflow run is tagged `pretrain_run_id` with the pretraining run's id (read from
-RUN_DIR/mlflow_run_id, or from backbone.json's `mlflow_run_id` when the exporter put it there)
-and, when that run is in the same tracking store, created as its child (mlflow.parentRunId), so
-the UI lists evals under the run they judge. A tracking failure is a warning, never fatal: the
-numbers are already in the JSON.
+The MLflow run is tagged `pretrain_run_id` with the pretraining run's id (the run an MLflow URI
+resolved to, RUN_DIR/mlflow_run_id, or backbone.json's `mlflow_run_id` when the exporter put it
+there) and, when that run is in the same tracking store, created as its child
+(mlflow.parentRunId), so the UI lists evals under the run they judge; under a study
+($SSL_VIT_PARENT_RUN_ID, see `ssl_vit.tracking.nesting`) it is the child of the method's run.
+A tracking failure is a warning, never fatal: the numbers are already in the JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.tracking.nesting import parent_experiment, parent_from_env
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +94,12 @@ def log_to_mlflow(
         tags = {"ssl_vit.eval": eval_name}
         if parent_run_id:
             tags["pretrain_run_id"] = parent_run_id
-            try:
-                experiment_id = client.get_run(parent_run_id).info.experiment_id
-                tags["mlflow.parentRunId"] = parent_run_id
-            except Exception:  # parent not in this store: keep the tag, skip nesting
-                log.warning("pretraining run %s not found in %s; not nesting", parent_run_id, uri)
+        # Nest under the study's parent run when a study started us, else the pretraining run.
+        nest_under = parent_from_env() or parent_run_id
+        if nest_under:
+            experiment_id = parent_experiment(client, nest_under)
+            if experiment_id is not None:  # else: not in this store, keep the tag, skip nesting
+                tags["mlflow.parentRunId"] = nest_under
         if experiment_id is None:
             exp = client.get_experiment_by_name(EVAL_EXPERIMENT)
             experiment_id = exp.experiment_id if exp else client.create_experiment(EVAL_EXPERIMENT)

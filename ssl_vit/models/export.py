@@ -7,6 +7,7 @@ Loading at another img_size interpolates the position embeddings (paper sec. 3.2
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from ssl_vit.data.manifest import atomic_write_text
 from ssl_vit.models.backbones import build_backbone, token_geometry
 from ssl_vit.models.pos_embed import adapt_pos_embed_state
 
-__all__ = ["export_backbone", "load_backbone", "FORMAT_VERSION"]
+__all__ = ["export_backbone", "load_backbone", "record_files", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 WEIGHTS = "backbone.safetensors"
@@ -41,7 +42,8 @@ def export_backbone(
 
     `kwargs` are the `build_backbone` keyword arguments (img_size, in_chans, patch_size, ...).
     Both files are written to temporary names, fsynced and renamed, weights first, so a reader
-    never sees a JSON that points at half-written weights.
+    never sees a JSON that points at half-written weights. backbone.json records the weights'
+    sha256 under `files`, which a download from MLflow is checked against.
     """
     if "img_size" not in kwargs or "in_chans" not in kwargs:
         raise ValueError("export_backbone: kwargs must include img_size and in_chans")
@@ -60,10 +62,29 @@ def export_backbone(
         "mean": [float(m) for m in mean],
         "std": [float(s) for s in std],
         "token_grid": list(token_geometry(model).grid),
+        "files": {WEIGHTS: _sha256(out / WEIGHTS)},
     }
     meta.update(extra or {})
     atomic_write_text(out / META, json.dumps(meta, indent=2) + "\n")
     return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def record_files(out_dir: str | os.PathLike, names: Sequence[str]) -> None:
+    """Add the sha256 of more files of the export (e.g. the objective's) to backbone.json."""
+    out = Path(out_dir)
+    meta = json.loads((out / META).read_text(encoding="utf-8"))
+    files = dict(meta.get("files") or {})
+    files.update({name: _sha256(out / name) for name in names})
+    meta["files"] = files
+    atomic_write_text(out / META, json.dumps(meta, indent=2) + "\n")
 
 
 def find_export(path: Path) -> Path:
@@ -108,7 +129,13 @@ def load_backbone(
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing; the export in {folder} is incomplete")
-    state = load_file(str(weights))
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # SafetensorError: a pickle or a truncated file under this name
+        raise ValueError(
+            f"{weights}: not a readable safetensors file ({type(e).__name__}: "
+            f"{str(e)[:120]}); ssl-vit loads safetensors only, re-export the backbone"
+        ) from None
     if kwargs["img_size"] != old_size:
         if getattr(model, "pos_embed", None) is None:
             raise ValueError(

@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ssl_vit.tracking.nesting import PARENT_TAG, parent_experiment
+
 if TYPE_CHECKING:
     from ssl_vit.tracking.spool import _Spool
 
@@ -56,13 +58,17 @@ class _Store:
                     "run %s not in %s (%s); starting a new run", header["run_id"], self.uri, e
                 )
         if run is None:
-            exp = self.client.get_experiment_by_name(header["experiment"])
-            exp_id = (
-                exp.experiment_id if exp else self.client.create_experiment(header["experiment"])
-            )
-            run = self.client.create_run(
-                exp_id, run_name=header.get("run_name"), tags=header.get("tags") or {}
-            )
+            tags = dict(header.get("tags") or {})
+            exp_id = None
+            if tags.get(PARENT_TAG):  # a child lives in its parent's experiment (UI nesting)
+                exp_id = parent_experiment(self.client, tags[PARENT_TAG])
+                if exp_id is None:
+                    tags.pop(PARENT_TAG)
+            if exp_id is None:
+                name = header["experiment"]
+                exp = self.client.get_experiment_by_name(name)
+                exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
+            run = self.client.create_run(exp_id, run_name=header.get("run_name"), tags=tags)
         elif run.info.status != "RUNNING":
             self.client.update_run(run.info.run_id, status="RUNNING")
         self.last = {m.key: m.step for m in run.data._metric_objs}  # latest step per key

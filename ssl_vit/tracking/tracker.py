@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ssl_vit.tracking.nesting import PARENT_TAG, parent_from_env
 from ssl_vit.tracking.spool import _read_header, _Spool, replay_file
 from ssl_vit.tracking.store import MAX_METRICS, _send_or_raise, _Store, _Unreachable
 
@@ -97,9 +98,12 @@ class Tracker:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout)))
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         self.retry_interval = retry_interval
+        tags = {k: str(v) for k, v in (tags or {}).items()}
+        if parent_from_env() and PARENT_TAG not in tags:  # started by a study: nest under it
+            tags[PARENT_TAG] = parent_from_env()
         header = dict(
             tracking_uri=_absolute_uri(self.tracking_uri), experiment=experiment, run_name=run_name,
-            run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()},
+            run_id=run_id, tags=tags,
         )  # fmt: skip
         self._spool = _Spool(Path(spool_dir or "mlflow-spool").resolve(), header)
         self._store = _Store(self.tracking_uri)
@@ -119,6 +123,11 @@ class Tracker:
     @property
     def run_id(self) -> str | None:
         return self._run_id
+
+    @property
+    def flushed(self) -> bool:
+        """After `close`: every event reached the store (nothing left in the spool)."""
+        return self.enabled and self._run_id is not None and not self._spool.path.exists()
 
     # ---- the caller's side: only queue puts ----
     def log_params(self, params: Mapping[str, Any]) -> None:
