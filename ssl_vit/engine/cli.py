@@ -36,6 +36,12 @@ def parse(argv: list[str] | None, kind: str, description: str):
         p.add_argument(
             "--backbone", help="export folder or run directory to start from (model.init_from=...)"
         )
+        p.add_argument(
+            "--sweep",
+            metavar="KEY=V1,V2,...",
+            help="one run per value under run.dir, the value best on held-out data chosen "
+            "(e.g. optim.lr=0.003,0.01,0.03,0.06, appendix B.1.1)",
+        )
     p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
@@ -70,6 +76,10 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
             raise ConfigError("finetune.py: objective.kind must be finetune")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size=world)
+        if getattr(args, "sweep", None):
+            from ssl_vit.engine.sweep import check_sweep, parse_sweep
+
+            check_sweep(args.config, overrides, *parse_sweep(args.sweep))
         if args.check:
             check_data(cfg, world)
             print(f"ok: {args.config or 'defaults'} is valid for {world} rank(s)")
@@ -82,7 +92,12 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     from ssl_vit.engine.trainer import NonFiniteLossError, train
 
     try:
-        train(cfg, header=header)
+        if getattr(args, "sweep", None):
+            from ssl_vit.engine.sweep import run_sweep
+
+            run_sweep(args.config, overrides, args.sweep, header, train)
+        else:
+            train(cfg, header=header)
     except (ConfigError, ManifestError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from ssl_vit.config import Config, ConfigError, local_batch, save_config
+from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, save_config
 from ssl_vit.data.manifest import atomic_write_text
 from ssl_vit.data.stream import make_train_loader
 from ssl_vit.engine import checkpoint
@@ -159,6 +159,9 @@ def train(cfg: Config, header: str = "") -> Path:
         run_id=run_id_file.read_text().strip() if run_id_file.is_file() else None,
         tracking_uri=cfg.tracking.uri,
         spool_dir=run_dir / "mlflow_spool",
+        tags={"mlflow.parentRunId": cfg.tracking.parent_run_id}
+        if cfg.tracking.parent_run_id
+        else None,
     )
     if rank == 0:
         _save_run_id(tracker, run_id_file)
@@ -211,6 +214,7 @@ def train(cfg: Config, header: str = "") -> Path:
             scale=cfg.data.crop_scale,
             hflip=cfg.data.hflip,
             missing=cfg.data.missing_shards,
+            holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
         )
         while step < total_steps:
             batches = iter(loader)
