@@ -103,8 +103,8 @@ class TrainConfig:
     micro_batch: int | None = None  # per rank per forward; None: global_batch / world size
     steps: int | None = None  # optimizer steps; or give epochs
     epochs: float | None = None  # in samples of the manifest's split
-    # auto: bf16 on GPUs that have it (else fp16); on CPU bf16 autocast only where the CPU has
-    # native bf16 (AVX512-BF16/AMX), else fp32: emulated bf16 is slower than fp32
+    # auto: bf16 on GPUs that have it (else fp16); on CPU fp32 without native bf16 (emulated bf16
+    # is slower), and with AVX512-BF16/AMX the faster of fp32 and bf16 autocast, timed at start
     precision: str = "auto"
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     compile: bool = False  # torch.compile the model (GPU)

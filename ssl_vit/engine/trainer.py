@@ -30,6 +30,7 @@ from ssl_vit.engine.evaluate import InTrainingEvals
 from ssl_vit.engine.optim import (
     deepspeed_config,
     make_optimizer,
+    measure_step_seconds,
     resolve_precision,
 )
 from ssl_vit.engine.preflight import check_data
@@ -108,6 +109,20 @@ def _train_step(
     return finite, grad_norm
 
 
+def _step_timer(objective: torch.nn.Module, in_chans: int, img_size: int, micro: int):
+    """For precision=auto on CPU: seconds of one micro-batch step, averaged over ranks so every
+    rank makes the same choice."""
+
+    def timer(autocast: bool) -> float:
+        x = torch.rand(micro, in_chans, img_size, img_size)
+        y = torch.zeros(micro, dtype=torch.long)
+        seconds = measure_step_seconds(objective, x, y, autocast)
+        total = all_reduce_sum(torch.tensor([seconds], dtype=torch.float64))
+        return float(total.item()) / torch.distributed.get_world_size()
+
+    return timer
+
+
 def _save_run_id(tracker: Tracker, path: Path) -> None:
     """Remember the MLflow run so a rerun continues it (the id may arrive late: store down)."""
     if tracker.run_id and not path.is_file():
@@ -121,7 +136,6 @@ def train(cfg: Config, header: str = "") -> Path:
     rank, local_rank, world = init_distributed()
     per_rank, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
-    precision = resolve_precision(cfg.train.precision)
 
     manifest, steps_per_epoch, total_steps = check_data(cfg, world)
 
@@ -135,6 +149,9 @@ def train(cfg: Config, header: str = "") -> Path:
 
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     objective, objective_options, spec = build_from_config(cfg, manifest)
+    precision = resolve_precision(
+        cfg.train.precision, _step_timer(objective, spec.in_chans, cfg.model.img_size, micro)
+    )
     optimizer, scheduler = make_optimizer(objective, cfg, total_steps)
     ds_config = deepspeed_config(cfg, world, micro, accum, precision)
     if rank == 0:
@@ -166,9 +183,8 @@ def train(cfg: Config, header: str = "") -> Path:
     if rank == 0:
         _save_run_id(tracker, run_id_file)
         if step == 0:
-            tracker.log_params(
-                {**cfg.to_dict(), "derived": {"world_size": world, "accum": accum, "micro": micro}}
-            )
+            derived = {"world_size": world, "accum": accum, "micro": micro, "precision": precision}
+            tracker.log_params({**cfg.to_dict(), "derived": derived})
             tracker.log_artifact(run_dir / "config.yaml")
             tracker.log_artifact(run_dir / "ds_config.json")
 
