@@ -304,7 +304,8 @@ class TrainLoader(ShardLoader):
 
     @property
     def num_samples(self) -> int:
-        return sum(r.num_samples for r in self.dataset.shards)
+        """Training samples of the split (held-out ones not counted)."""
+        return sum(r.num_samples for r in self.dataset.shards) - len(self.dataset.exclude)
 
     @property
     def epoch(self) -> int:
