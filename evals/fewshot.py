@@ -10,7 +10,7 @@ import sys
 import time
 
 from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
-from ssl_vit.evaluation.fewshot import DEFAULT_L2, DEFAULT_SHOTS, fewshot_eval
+from ssl_vit.evaluation.fewshot import DEFAULT_SHOTS, fewshot_eval
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,9 +24,14 @@ def main(argv: list[str] | None = None) -> int:
         help="examples per class (paper: 1 5 10 25)",
     )
     p.add_argument("--seeds", type=int, default=5, help="random draws per shot count")
-    p.add_argument("--l2", type=float, default=DEFAULT_L2, help="ridge strength")
+    p.add_argument(
+        "--l2",
+        type=float,
+        default=None,
+        help="a fixed ridge strength (default: chosen per draw by leave-one-out on the shots)",
+    )
     args = p.parse_args(argv)
-    if min(args.shots) < 1 or args.seeds < 1 or args.l2 <= 0:
+    if min(args.shots) < 1 or args.seeds < 1 or (args.l2 is not None and args.l2 <= 0):
         p.error("--shots and --seeds must be >= 1 and --l2 > 0")
     t0 = time.perf_counter()
     bb, train, test = features_from_args(args)
@@ -39,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds=args.seeds,
         l2=args.l2,
     )
-    options = {"shots": args.shots, "seeds": args.seeds, "l2": args.l2}
+    options = {"shots": args.shots, "seeds": args.seeds, "l2": args.l2 if args.l2 else "loo"}
     report(args, "fewshot", bb, metrics, options, time.perf_counter() - t0)
     return 0
 

@@ -32,7 +32,11 @@ class RunConfig:
     log_every: int = 20  # steps between metric lines / MLflow points
     max_nonfinite_steps: int = 5  # stop after this many non-finite losses in a row
     eval_every: int = 0  # steps between classifier evaluations; 0: at each epoch's end
-    eval_split: str | None = None  # None: "val" when the shard set has it, else "test"
+    # The split on which in-training evals choose the best checkpoint (export_best/). None: the
+    # held-out part of data.split ("holdout") when data.holdout_fraction > 0, else "val" when
+    # the shard set has one, else nothing is chosen. Never "test": test data chooses nothing.
+    eval_split: str | None = None
+    report_split: str | None = "test"  # also scored at each eval, only reported
 
 
 @dataclass
@@ -44,6 +48,9 @@ class DataConfig:
     crop_scale: tuple[float, float] = (0.08, 1.0)
     hflip: bool = True
     missing_shards: str = "error"  # "error" or "skip"
+    # Hashed share of `split` kept out of training to choose on (ssl_vit.data.holdout).
+    # None: 0.02 when fine-tuning (the paper's held-out 2%, appendix B.1.1), else 0.
+    holdout_fraction: float | None = None
 
 
 @dataclass
@@ -96,8 +103,8 @@ class TrainConfig:
     micro_batch: int | None = None  # cap per rank per forward (memory); None: no accumulation
     steps: int | None = None  # optimizer steps; or give epochs
     epochs: float | None = None  # in samples of the manifest's split
-    # auto: bf16 on GPUs that have it (else fp16); on CPU bf16 autocast only where the CPU has
-    # native bf16 (AVX512-BF16/AMX), else fp32: emulated bf16 is slower than fp32
+    # auto: bf16 on GPUs that have it (else fp16); on CPU fp32 without native bf16 (emulated bf16
+    # is slower), and with AVX512-BF16/AMX the faster of fp32 and bf16 autocast, timed at start
     precision: str = "auto"
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     # Merged last into DeepSpeed's JSON config, e.g. {zero_optimization: {offload_optimizer:
@@ -112,6 +119,7 @@ class TrackingConfig:
     run_name: str | None = None
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     register_as: str | None = None  # registered model name: the export becomes a new version
+    parent_run_id: str | None = None  # nest this run under that one (a sweep's parent run)
 
 
 @dataclass
@@ -282,8 +290,23 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.global_batch={t.global_batch}: must be positive")
     if t.micro_batch is not None and t.micro_batch <= 0:
         raise ConfigError(f"train.micro_batch={t.micro_batch}: must be positive (or null)")
+    if not 0 <= holdout_fraction(cfg) < 0.5:
+        raise ConfigError(
+            f"data.holdout_fraction={cfg.data.holdout_fraction}: must be in [0, 0.5) (e.g. 0.02)"
+        )
+    if cfg.run.eval_split is not None and cfg.run.eval_split in ("test", cfg.run.report_split):
+        raise ConfigError(
+            f"run.eval_split={cfg.run.eval_split!r} would choose the best checkpoint on test data; "
+            "leave it unset (held-out part of the training split) or name a val split"
+        )
     if world_size is not None:
         local_batch(cfg, world_size)
+
+
+def holdout_fraction(cfg: Config) -> float:
+    """The share of data.split held out of training (data.holdout_fraction resolved)."""
+    f = cfg.data.holdout_fraction
+    return float(f) if f is not None else (0.02 if cfg.objective.kind == "finetune" else 0.0)
 
 
 def local_batch(cfg: Config, world_size: int) -> tuple[int, int, int]:

@@ -176,7 +176,10 @@ def test_random_backbone_evals_end_to_end_on_real_shards(tmp_path, capsys):
         == 0
     )
     assert "from cache" in capsys.readouterr().err  # same backbone + shards + pool: reused
-    assert json.loads((tmp_path / "f.json").read_text())["metrics"]["fewshot_5shot_mean"] > 0.5
+    few_m = json.loads((tmp_path / "f.json").read_text())["metrics"]
+    assert few_m["fewshot_5shot_mean"] > 0.5
+    assert few_m["l2_selection"] == "loo" and len(few_m["fewshot_5shot_l2_all"]) == 2
+    assert few_m["fewshot_1shot_l2_source"].startswith("median alpha chosen at 5-shot")
     probe = _load_script("linear_probe")
     assert probe.main([*common, "--l2", "1e-3", "1e-1", "--out", str(tmp_path / "p.json")]) == 0
     assert json.loads((tmp_path / "p.json").read_text())["metrics"]["probe_top1"] > 0.6

@@ -11,6 +11,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from ssl_vit.data.holdout import held_out_indices
 from ssl_vit.data.manifest import Manifest, ManifestError, ShardInfo, SplitInfo, write_manifest
 from ssl_vit.data.stream import make_eval_loader, make_train_loader
 
@@ -218,3 +219,31 @@ def test_rgb_train_shapes_and_bad_arguments(tmp_path: Path) -> None:
         _train(root, global_batch=16)
     with pytest.raises(ManifestError, match="no split 'val'"):
         make_train_loader(root, "val", global_batch=4)
+
+
+@pytest.mark.parametrize("sizes", [[40] * 8, [160, 160]])  # shards dealt / split by index
+def test_held_out_samples_never_train_and_are_the_holdout_eval(tmp_path: Path, sizes) -> None:
+    root = make_set(tmp_path, sizes)
+    held = set(held_out_indices(sum(sizes), 0.1).tolist())
+    assert 15 < len(held) < 50  # ~10% of 320, by hash
+    trained: list[int] = []
+    for rank in range(2):  # 2 ranks x 2 workers, two epochs
+        loader = _train(root, global_batch=16, rank=rank, world_size=2, holdout_fraction=0.1)
+        assert loader.steps_per_epoch == (sum(sizes) - len(held)) // 16
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            trained += torch.cat(_epoch(loader)[1]).tolist()
+    assert trained and not held & set(trained)
+    assert len(set(trained)) > 0.9 * (sum(sizes) - len(held))  # the rest does train
+    parts = []
+    for rank in range(2):
+        part = make_eval_loader(
+            root, "train", batch_size=4, img_size=8, num_workers=2, rank=rank, world_size=2,
+            holdout_fraction=0.1, timeout=TIMEOUT,
+        )  # fmt: skip
+        assert part.num_samples in (len(held) // 2, len(held) - len(held) // 2)
+        parts.append(torch.cat([y for _, y in part]).tolist())
+    assert parts[0] + parts[1] == sorted(held)  # each held-out sample once, in order
+    # Without the holdout nothing is excluded: the same samples do train.
+    plain = torch.cat(_epoch(_train(root, global_batch=16, rank=0, world_size=1))[1]).tolist()
+    assert held & set(plain)

@@ -18,6 +18,8 @@ import pytest
 from conftest import ROOT, MlflowServer, run_cli
 from mlflow.tracking import MlflowClient
 
+from ssl_vit.data.holdout import held_out_indices
+
 pytestmark = pytest.mark.slow
 
 TINY = [
@@ -252,7 +254,71 @@ def test_finetune_at_higher_resolution_beats_its_start(tiny_shards, tmp_path):
     from conftest import toy_images
 
     start = float((toy_images(128, 16, 4, seed=1)[1] == 0).mean())
-    assert result["eval_split"] == "test" and len(result["history"]) == 3
-    assert result["best_top1"] >= result["final_top1"] > start + 0.1, (start, result)
+    # The paper's held-out 2% of train (15 of 512 here) chooses; test is only reported.
+    assert result["selection_split"].startswith("train (held-out 0.02")
+    assert result["report_split"] == "test"
+    steps_per_epoch = (512 - len(held_out_indices(512, 0.02))) // 32  # held-out never trains
+    assert [h[0] for h in result["history"]] == [steps_per_epoch * e for e in (1, 2, 3)]
+    _assert_chosen_on_selection_split(result)
+    # The checkpoint chosen on held-out data (export_best) beats the start on test.
+    assert result["selected_top1"] > start + 0.1, (start, result)
     meta = json.loads((ft / "export_best" / "backbone.json").read_text())
     assert meta["kwargs"]["img_size"] == 24 and meta["token_grid"] == [6, 6]
+    assert meta["step"] == result["best_step"] and meta["selection_split"] == "holdout"
+
+
+def _assert_chosen_on_selection_split(result: dict) -> None:
+    """best_step is the first step with the top held-out accuracy; test only reported at it."""
+    hist = result["history"]
+    best = max(hist, key=lambda h: (h[1], -h[0]))
+    assert result["best_step"] == best[0] and result["selection_best_top1"] == best[1]
+    assert result["selected_top1"] == best[2] and result["final_top1"] == hist[-1][2]
+
+
+def test_finetune_lr_sweep_chooses_on_held_out_nested_in_mlflow(tiny_shards, tmp_path):
+    """--sweep optim.lr=...: one run per value, nested MLflow runs, the held-out best chosen,
+    and a rerun skips what is done."""
+    pre = tmp_path / "pre"
+    db = tmp_path / "db"
+    assert run_cli(["pipelines/mpp_pretrain.py",
+                    *overrides(tiny_shards, pre, db, "train.steps=2")]).returncode == 0  # fmt: skip
+    sweep = tmp_path / "sweep"
+    args = [
+        a
+        for a in overrides(tiny_shards, sweep, db, "train.epochs=1")
+        if a != "train.epochs=null" and not a.startswith(("optim.lr", "model.kwargs"))
+    ]
+    cmd = ["evals/finetune.py", "--config", "configs/fmnist_finetune.yaml", "--backbone", str(pre),
+           "--sweep", "optim.lr=0.0001,0.05", *args, "model.img_size=16", "optim.warmup_steps=2",
+           "data.holdout_fraction=0.1", "run.eval_every=7"]  # fmt: skip
+    proc = run_cli(cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((sweep / "results.json").read_text())
+    assert res["sweep"] == {"key": "optim.lr", "values": [0.0001, 0.05]}
+    runs = res["runs"]
+    assert [r["run_dir"] for r in runs] == [
+        str(sweep / "optim.lr=0.0001"),
+        str(sweep / "optim.lr=0.05"),
+    ]
+    for r in runs:
+        _assert_chosen_on_selection_split(r)
+        child = json.loads((Path(r["run_dir"]) / "results.json").read_text())
+        assert child["selection_best_top1"] == r["selection_best_top1"]
+    best = max(runs, key=lambda r: r["selection_best_top1"])
+    assert res["chosen"] == {"optim.lr": best["value"]} and res["chosen_run_dir"] == best["run_dir"]
+    assert res["selected_top1"] == best["selected_top1"]  # the chosen run's test top-1, reported
+    assert res["selection_split"].startswith("train (held-out 0.1")
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    parent = client.get_run(res["mlflow_run_id"])
+    assert parent.data.params["chosen.optim.lr"] == str(best["value"])
+    for r in runs:
+        child = client.get_run(r["mlflow_run_id"])
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.params["optim.lr"] == str(r["value"])
+    # Resumable: a rerun trains nothing and chooses the same.
+    mtime = (sweep / "optim.lr=0.05" / "results.json").stat().st_mtime_ns
+    again = run_cli(cmd)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "finished before, kept" in again.stderr
+    assert (sweep / "optim.lr=0.05" / "results.json").stat().st_mtime_ns == mtime
+    assert json.loads((sweep / "results.json").read_text())["chosen"] == res["chosen"]

@@ -38,6 +38,11 @@ construction is a one-line ManifestError (missing="error"), or dropped with a wa
 (missing="skip"; the epoch length is then computed without it). Selecting and reading shards,
 and the counters: ssl_vit.data.shards.
 
+Held-out samples. `holdout_fraction=f` (ssl_vit.data.holdout) removes a fixed, hashed share
+f of the split's samples (by manifest index) from the train loader: no stream ever yields them,
+and the epoch length counts only the rest. `make_eval_loader(..., holdout_fraction=f)` yields
+exactly those samples (and nothing else), split over ranks like a split of its own.
+
 Eval loader: each rank gets the contiguous manifest range [N*rank//ws, N*(rank+1)//ws), in
 order, in batches of `batch_size` (the last, or one holding corrupt samples, may be smaller; a
 corrupt sample is dropped and counted). `with_keys=True` adds the sample keys as a third item.
@@ -45,6 +50,7 @@ corrupt sample is dropped and counted). `with_keys=True` adds the sample keys as
 
 from __future__ import annotations
 
+import bisect
 import multiprocessing as mp
 import random
 from collections.abc import Callable, Iterator
@@ -66,6 +72,7 @@ from .augment import (
     to_batch,
     train_transform,
 )
+from .holdout import held_out_indices
 from .manifest import Manifest, load_manifest
 from .shards import ShardRef, SkipCounter, read_shard, report_skip, select_shards
 
@@ -81,7 +88,8 @@ class TrainStream(IterableDataset):
     def __init__(self, shards: list[ShardRef], *, channels: int, labelled: bool, **cfg: Any):
         super().__init__()
         self.shards, self.channels, self.labelled = shards, channels, labelled
-        self.__dict__.update(cfg)  # rank world_size workers batch steps seed epoch skip_batches ...
+        # rank world_size workers batch steps seed epoch skip_batches ... exclude (held out)
+        self.__dict__.update(cfg)
 
     def plan(self) -> tuple[list[list[ShardRef]], bool]:
         """Shards per stream for this epoch, and whether streams split by sample index."""
@@ -95,8 +103,15 @@ class TrainStream(IterableDataset):
         for i, ref in enumerate(order):
             s = i if i < num_streams else max(range(num_streams), key=deficit.__getitem__)
             plan[s].append(ref)
-            deficit[s] -= ref.num_samples
+            deficit[s] -= ref.num_samples - self._num_excluded(ref)
         return plan, False
+
+    def _num_excluded(self, ref: ShardRef) -> int:
+        """Held-out samples inside `ref` (never yielded by the train stream)."""
+        ex = self.exclude_sorted
+        return bisect.bisect_left(ex, ref.offset + ref.num_samples) - bisect.bisect_left(
+            ex, ref.offset
+        )
 
     def _pass(self, order: list[ShardRef], keep: Callable[[int], bool] | None) -> Iterator[dict]:
         for ref in order:
@@ -105,8 +120,11 @@ class TrainStream(IterableDataset):
     def _raw(self, stream: int, shards: list[ShardRef], modulo: bool) -> Iterator[dict]:
         """The stream's samples, pass after pass over its shards, each pass buffer-shuffled on
         its own (so one pass is drained before the next begins: no sample twice per pass)."""
-        num_streams = self.world_size * self.workers
-        keep = (lambda i: i % num_streams == stream) if modulo else None
+        num_streams, exclude = self.world_size * self.workers, self.exclude
+        if modulo:
+            keep = lambda i: i % num_streams == stream and i not in exclude  # noqa: E731
+        else:
+            keep = (lambda i: i not in exclude) if exclude else None
         for p in count():
             order = list(shards)
             if p > 0:  # re-read a short stream, reshuffled
@@ -176,22 +194,31 @@ class EvalStream(IterableDataset):
     def __init__(self, shards: list[ShardRef], *, channels: int, labelled: bool, **cfg: Any):
         super().__init__()
         self.shards, self.channels, self.labelled = shards, channels, labelled
-        self.__dict__.update(cfg)  # lo hi batch img_size with_keys counter
+        self.__dict__.update(cfg)  # lo hi batch img_size with_keys counter subset
 
     def __iter__(self) -> Iterator[tuple]:
         w, W = _worker()
         lo, hi, bs = self.lo, self.hi, self.batch
         num_batches = (hi - lo + bs - 1) // bs
+        if self.subset is None:  # positions lo..hi-1 are manifest indices lo..hi-1
+            pos: Callable[[int], int] = lambda i: i - lo if lo <= i < hi else -1  # noqa: E731
+            first, last = lo, hi - 1
+        else:  # positions lo..hi-1 of the sorted subset (the held-out samples)
+            mine_idx = self.subset[lo:hi]
+            where = {int(i): p for p, i in enumerate(mine_idx)}
+            pos = lambda i: where.get(i, -1)  # noqa: E731
+            first, last = (int(mine_idx[0]), int(mine_idx[-1])) if len(mine_idx) else (0, -1)
 
         def mine(i: int) -> bool:  # worker w owns batches w, w + W, ... (torch's order)
-            return lo <= i < hi and ((i - lo) // bs) % W == w
+            p = pos(i)
+            return p >= 0 and (p // bs) % W == w
 
-        refs = [r for r in self.shards if r.offset < hi and r.offset + r.num_samples > lo]
+        refs = [r for r in self.shards if r.offset <= last and r.offset + r.num_samples > first]
         samples = (s for r in refs for s in read_shard(r, mine, self.counter))
         pending = next(samples, None)
         for b in range(w, num_batches, W):
             imgs, labels, keys = [], [], []
-            while pending is not None and (pending["__index__"] - lo) // bs == b:
+            while pending is not None and pos(pending["__index__"]) // bs == b:
                 try:
                     img, label = decode_sample(
                         pending, channels=self.channels, labelled=self.labelled
@@ -277,7 +304,8 @@ class TrainLoader(ShardLoader):
 
     @property
     def num_samples(self) -> int:
-        return sum(r.num_samples for r in self.dataset.shards)
+        """Training samples of the split (held-out ones not counted)."""
+        return sum(r.num_samples for r in self.dataset.shards) - len(self.dataset.exclude)
 
     @property
     def epoch(self) -> int:
@@ -331,6 +359,7 @@ def make_train_loader(
     scale: tuple[float, float] = (0.08, 1.0),
     hflip: bool = True,
     missing: Literal["error", "skip"] = "error",
+    holdout_fraction: float = 0.0,
     shuffle_buffer: int = 2000,
     shuffle_initial: int = 500,
     pin_memory: bool | None = None,
@@ -341,6 +370,7 @@ def make_train_loader(
     """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
     int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
     paper's random resized crop (`scale`) and flip (`hflip`); without it, a centre resize.
+    `holdout_fraction` keeps that hashed share of the split out of training (module doc).
     Resume with the same seed, world_size and num_workers for an exact continuation."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -349,7 +379,9 @@ def make_train_loader(
     manifest, shards, ctx, counter = _common(
         root, split, num_workers, multiprocessing_context, missing
     )
-    num_samples = sum(r.num_samples for r in shards)
+    total = sum(r.num_samples for r in shards)
+    exclude = frozenset(held_out_indices(total, holdout_fraction).tolist())
+    num_samples = total - len(exclude)
     steps = num_samples // global_batch
     if steps == 0:
         raise ValueError(
@@ -362,6 +394,7 @@ def make_train_loader(
         batch=global_batch // world_size, steps=steps, seed=seed, epoch=epoch, skip_batches=0,
         img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip,
         shuffle_buffer=shuffle_buffer, shuffle_initial=shuffle_initial, counter=counter,
+        exclude=exclude, exclude_sorted=tuple(sorted(exclude)),
     )  # fmt: skip
     loader = TrainLoader(
         dataset, manifest=manifest, split=split, num_workers=num_workers,
@@ -383,13 +416,15 @@ def make_eval_loader(
     world_size: int = 1,
     with_keys: bool = False,
     missing: Literal["error", "skip"] = "error",
+    holdout_fraction: float | None = None,
     pin_memory: bool | None = None,
     prefetch_factor: int = 2,
     timeout: float = 0,
     multiprocessing_context: str | None = None,
 ) -> EvalLoader:
     """Every sample of the split exactly once, in manifest order, centre-resized to img_size;
-    with world_size > 1, rank r gets the r-th contiguous part."""
+    with world_size > 1, rank r gets the r-th contiguous part. With `holdout_fraction`, only the
+    samples the train loader holds out at that fraction, as if they were a split."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if batch_size < 1:
@@ -398,10 +433,19 @@ def make_eval_loader(
         root, split, num_workers, multiprocessing_context, missing
     )
     n = sum(r.num_samples for r in shards)
+    subset = None
+    if holdout_fraction is not None:
+        subset = held_out_indices(n, holdout_fraction)
+        n = len(subset)
+        if n == 0:
+            raise ValueError(
+                f"{manifest.root}: a held-out share of {holdout_fraction} of split {split!r} "
+                "holds no sample; raise data.holdout_fraction"
+            )
     dataset = EvalStream(
         shards, channels=manifest.channels, labelled=manifest.class_names is not None,
         lo=n * rank // world_size, hi=n * (rank + 1) // world_size, batch=batch_size,
-        img_size=img_size, with_keys=with_keys, counter=counter,
+        img_size=img_size, with_keys=with_keys, counter=counter, subset=subset,
     )  # fmt: skip
     return EvalLoader(
         dataset, manifest=manifest, split=split, num_workers=num_workers,

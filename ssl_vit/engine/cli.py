@@ -39,6 +39,12 @@ def parse(argv: list[str] | None, kind: str, description: str):
             help="export folder, run directory or MLflow URI (runs:/ID/export, "
             "models:/NAME/VERSION, models:/NAME@ALIAS) to start from (model.init_from=...)",
         )
+        p.add_argument(
+            "--sweep",
+            metavar="KEY=V1,V2,...",
+            help="one run per value under run.dir, the value best on held-out data chosen "
+            "(e.g. optim.lr=0.003,0.01,0.03,0.06, appendix B.1.1)",
+        )
     p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
     p.add_argument(
         "--world-sizes", metavar="N[,N...]",
@@ -112,6 +118,10 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
             raise ConfigError("finetune.py: objective.kind must be finetune")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size=world)
+        if getattr(args, "sweep", None):
+            from ssl_vit.engine.sweep import check_sweep, parse_sweep
+
+            check_sweep(args.config, overrides, *parse_sweep(args.sweep))
         if args.check:
             return _check(cfg, args, world)
     except (ConfigError, ManifestError) as e:
@@ -122,7 +132,12 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     from ssl_vit.engine.trainer import NonFiniteLossError, train
 
     try:
-        train(cfg, header=header)
+        if getattr(args, "sweep", None):
+            from ssl_vit.engine.sweep import run_sweep
+
+            run_sweep(args.config, overrides, args.sweep, header, train)
+        else:
+            train(cfg, header=header)
     except (ConfigError, ManifestError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

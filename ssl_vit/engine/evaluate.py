@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ssl_vit.config import Config, MonitorConfig
+from ssl_vit.config import Config, MonitorConfig, holdout_fraction
+from ssl_vit.data.holdout import HOLDOUT_SPLIT
 from ssl_vit.data.manifest import Manifest, atomic_write_text
 from ssl_vit.data.stream import make_eval_loader
 from ssl_vit.engine import zero
@@ -35,14 +36,16 @@ def classifier_accuracy(
     world: int,
     num_workers: int,
     autocast: bool,
+    holdout_fraction: float | None = None,
 ) -> float:
-    """Top-1 of `objective.logits` over a whole split, each rank scoring its part."""
+    """Top-1 of `objective.logits` over a whole split (or only its held-out part, with
+    `holdout_fraction`), each rank scoring its part."""
     device = next(objective.parameters()).device
     was_training = objective.training
     objective.eval()
     loader = make_eval_loader(
         root, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
-        rank=rank, world_size=world,
+        rank=rank, world_size=world, holdout_fraction=holdout_fraction,
     )  # fmt: skip
     counts = torch.zeros(2, device=device)  # (correct, seen)
     batches: Iterable = ((b, True) for b in loader)
@@ -98,9 +101,12 @@ def knn_monitor(
 class InTrainingEvals:
     """When to evaluate during training, what to log, and the best checkpoint's export.
 
-    - Classifier objectives (supervised, joint, finetune): top-1 on `run.eval_split` every
-      `run.eval_every` steps (0: each epoch) and at the end; the best is exported to
-      RUN/export_best (appendix B.1.1 keeps the best fine-tuning result).
+    - Classifier objectives (supervised, joint, finetune): top-1 every `run.eval_every` steps
+      (0: each epoch) and at the end, on the selection split and on `run.report_split`. The
+      selection split is `run.eval_split`, by default the held-out part of the training split
+      (`data.holdout_fraction`, 2% when fine-tuning as in appendix B.1.1) or a val split; the
+      checkpoint best on it is exported to RUN/export_best. The report split (test) is only
+      reported: it never chooses. Without a selection split nothing is chosen.
     - Any objective, with `monitor.knn_every > 0` and a labelled set: the online kNN monitor.
     Called by every rank (the evaluation and the export are collective).
     """
@@ -123,9 +129,19 @@ class InTrainingEvals:
         self.mean, self.std = spec.mean, spec.std
         self.total, self.export = total_steps, export
         self.every = cfg.run.eval_every or steps_per_epoch
-        self.split = cfg.run.eval_split or ("val" if "val" in manifest.splits else "test")
+        self.holdout = holdout_fraction(cfg)
+        self.split = cfg.run.eval_split or (
+            HOLDOUT_SPLIT if self.holdout > 0 else "val" if "val" in manifest.splits else None
+        )
+        if self.split is not None and self.split != HOLDOUT_SPLIT:
+            self.split = self.split if self.split in manifest.splits else None
+        report = cfg.run.report_split
+        self.report = report if report in manifest.splits and report != self.split else None
         labelled = manifest.num_classes is not None
-        self.classify = cfg.objective.kind != "mpp" and self.split in manifest.splits
+        self.classify = cfg.objective.kind != "mpp" and (self.split or self.report) is not None
+        if self.classify and self.split is None and rank == 0:
+            log.warning("no held-out or val split: export_best/ is not written (set "
+                        "data.holdout_fraction to choose a checkpoint)")  # fmt: skip
         m = cfg.monitor
         self.knn_every = m.knn_every if labelled else 0
         if self.knn_every and not {m.train_split, m.eval_split} <= set(manifest.splits):
@@ -137,25 +153,38 @@ class InTrainingEvals:
             self.knn_every = 0
         self.best_top1: float | None = state.get("best_top1")
         self.best_step: int | None = state.get("best_step")
-        self.history: list[list[float]] = state.get("eval_history", [])
+        # [step, selection top-1 or None, report top-1 or None] per eval
+        self.history: list[list[float | None]] = [
+            [h[0], None, h[1]] if len(h) == 2 else h  # 2-column rows: older runs, reported
+            for h in state.get("eval_history", [])
+        ]
+
+    def _accuracy(self, classifier: nn.Module, split: str) -> float:
+        held = split == HOLDOUT_SPLIT
+        return classifier_accuracy(
+            classifier, self.cfg.data.root, self.cfg.data.split if held else split,
+            img_size=self.img_size, batch_size=256, rank=self.rank, world=self.world,
+            num_workers=min(2, self.cfg.data.num_workers), autocast=self.autocast,
+            holdout_fraction=self.holdout if held else None,
+        )  # fmt: skip
 
     def maybe_run(self, objective: nn.Module, step: int, tracker) -> None:
         metrics: dict[str, float] = {}
         classifier = classifier_of(objective) if self.classify else None
         if classifier is not None and (step % self.every == 0 or step == self.total):
-            top1 = classifier_accuracy(
-                classifier, self.cfg.data.root, self.split, img_size=self.img_size,
-                batch_size=256, rank=self.rank, world=self.world,
-                num_workers=min(2, self.cfg.data.num_workers), autocast=self.autocast,
-            )  # fmt: skip
-            self.history = [h for h in self.history if h[0] < step] + [[step, top1]]
-            metrics[f"eval/{self.split}_top1"] = top1
-            if self.best_top1 is None or top1 > self.best_top1:
-                self.best_top1, self.best_step = top1, step
-                extra = {"step": step, "eval_split": self.split, "eval_top1": top1,
-                         "objective": self.cfg.objective.kind}  # fmt: skip
-                self.export(Path(self.cfg.run.dir) / "export_best", extra)
-            metrics[f"eval/{self.split}_best_top1"] = self.best_top1
+            top1 = self._accuracy(classifier, self.split) if self.split else None
+            shown = self._accuracy(classifier, self.report) if self.report else None
+            self.history = [h for h in self.history if h[0] < step] + [[step, top1, shown]]
+            if shown is not None:
+                metrics[f"eval/{self.report}_top1"] = shown
+            if top1 is not None:
+                metrics[f"eval/{self.split}_top1"] = top1
+                if self.best_top1 is None or top1 > self.best_top1:  # chosen on held-out only
+                    self.best_top1, self.best_step = top1, step
+                    extra = {"step": step, "selection_split": self.split, "selection_top1": top1,
+                             "objective": self.cfg.objective.kind}  # fmt: skip
+                    self.export(Path(self.cfg.run.dir) / "export_best", extra)
+                metrics[f"eval/{self.split}_best_top1"] = self.best_top1
         if self.knn_every and step % self.knn_every == 0:
             if self.rank == 0:
                 metrics["monitor/knn_top1"] = knn_monitor(
@@ -174,15 +203,26 @@ class InTrainingEvals:
             "eval_history": self.history,
         }
 
+    def selection_split_name(self) -> str | None:
+        if self.split == HOLDOUT_SPLIT:
+            return f"{self.cfg.data.split} (held-out {self.holdout:g}, data.holdout_fraction)"
+        return self.split
+
     def write_results(self, path: Path, tracker) -> None:
-        """RUN/results.json with the classifier's final and best top-1 (rank 0)."""
+        """RUN/results.json (rank 0): the step chosen on the selection split, and the report
+        split's top-1 of that step (`selected_top1`) and of the last (`final_top1`)."""
         if self.rank != 0 or not self.history:
             return
+        at_best = next((h for h in self.history if h[0] == self.best_step), None)
         result = {
-            "eval_split": self.split,
-            "final_top1": self.history[-1][1],
-            "best_top1": self.best_top1,
+            "selection_split": self.selection_split_name(),
+            "report_split": self.report,
             "best_step": self.best_step,
+            "selection_best_top1": self.best_top1,
+            "selection_final_top1": self.history[-1][1],
+            "selected_top1": at_best[2] if at_best else None,
+            "final_top1": self.history[-1][2],
+            "history_columns": ["step", "selection_top1", "report_top1"],
             "history": self.history,
         }
         atomic_write_text(path, json.dumps(result, indent=2) + "\n")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,6 +14,10 @@ from timm.optim import param_groups_layer_decay
 
 from ssl_vit.config import Config
 from ssl_vit.objectives import no_weight_decay_names, param_groups
+
+log = logging.getLogger("ssl_vit.train")
+# bf16 autocast must beat fp32 by this much to be chosen: it costs precision, so a tie is fp32.
+BF16_MIN_SPEEDUP = 1.05
 
 
 class _SkippableStep:
@@ -131,13 +139,44 @@ def gpu_precision(capability: tuple[int, int]) -> str:
     return "bf16" if capability >= (8, 0) else "fp16"
 
 
-def resolve_precision(requested: str) -> str:
-    """'auto': bf16 on GPUs that have it, else fp16; on CPU bf16 autocast only where native."""
+def measure_step_seconds(
+    objective: torch.nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    autocast: bool,
+    repeats: int = 3,
+) -> float:
+    """Median seconds of one forward + backward of `objective(images, labels)` on CPU, with or
+    without bf16 autocast, after one warm-up; the gradients it makes are cleared."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss, _ = objective(images, labels)
+        loss.backward()
+        if i:  # the first call warms up (allocations, oneDNN kernel choice)
+            times.append(time.perf_counter() - t0)
+    objective.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def resolve_precision(requested: str, timer: Callable[[bool], float] | None = None) -> str:
+    """'auto': on GPUs `gpu_precision`. On CPU: fp32 without native bf16 (emulated bf16 is
+    several times slower), and with it, whichever of fp32 and bf16 autocast `timer` (seconds of
+    a training step of the real model, given autocast on/off) finds faster: native bf16 is
+    slower than fp32 for some models (small ViTs: we saw 560 vs 640 images/s). bf16 must win by
+    BF16_MIN_SPEEDUP; with no timer, fp32."""
     if requested != "auto":
         return requested
     if torch.cuda.is_available():
         return gpu_precision(torch.cuda.get_device_capability())
-    return "bf16" if cpu_has_native_bf16() else "fp32"
+    if not cpu_has_native_bf16() or timer is None:
+        return "fp32"
+    fp32, bf16 = timer(False), timer(True)
+    choice = "bf16" if bf16 * BF16_MIN_SPEEDUP < fp32 else "fp32"
+    log.info("precision auto: a training step takes %.1f ms in fp32, %.1f ms in bf16 autocast "
+             "-> %s", 1e3 * fp32, 1e3 * bf16, choice)  # fmt: skip
+    return choice
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ssl_vit.config import Config, ConfigError, local_batch
+from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
 
 
@@ -31,10 +31,21 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
             f"model.in_chans={in_chans} but the shards in {cfg.data.root} have "
             f"{manifest.channels} channel(s); drop model.in_chans to follow the data"
         )
-    steps_per_epoch = split.num_samples // cfg.train.global_batch
+    num_train = split.num_samples
+    if holdout_fraction(cfg) > 0:  # imported late: numpy
+        from ssl_vit.data.holdout import held_out_indices
+
+        held = len(held_out_indices(split.num_samples, holdout_fraction(cfg)))
+        if held == 0 and cfg.objective.kind != "mpp":
+            raise ConfigError(
+                f"data.holdout_fraction={holdout_fraction(cfg)} holds out no sample of the "
+                f"{split.num_samples} in split {cfg.data.split!r}; raise it"
+            )
+        num_train -= held
+    steps_per_epoch = num_train // cfg.train.global_batch
     if steps_per_epoch == 0:
         raise ConfigError(
-            f"train.global_batch={cfg.train.global_batch} exceeds the {split.num_samples} "
+            f"train.global_batch={cfg.train.global_batch} exceeds the {num_train} training "
             f"samples of split {cfg.data.split!r}; lower the batch"
         )
     check_model(cfg, in_chans)

@@ -25,18 +25,30 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from ssl_vit.config import Config, ConfigError, local_batch, save_config
+from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, save_config
 from ssl_vit.data.manifest import atomic_write_text
 from ssl_vit.data.stream import TrainLoader, make_train_loader
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import build_from_config, export_run
-from ssl_vit.engine.distributed import all_reduce_sum, barrier, device_for, init_distributed
+from ssl_vit.engine.distributed import (
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    device_for,
+    init_distributed,
+)
 from ssl_vit.engine.evaluate import InTrainingEvals
-from ssl_vit.engine.optim import deepspeed_config, make_optimizer, resolve_precision
+from ssl_vit.engine.optim import (
+    deepspeed_config,
+    make_optimizer,
+    measure_step_seconds,
+    resolve_precision,
+)
 from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.progress import MetricWindow, Progress, write_loss_plot
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
 from ssl_vit.tracking import Tracker
+from ssl_vit.tracking.nesting import PARENT_TAG
 from ssl_vit.tracking.registry import headline_metrics, register_export
 
 log = logging.getLogger("ssl_vit.train")
@@ -112,6 +124,33 @@ def _flops_per_step(objective: torch.nn.Module, cfg: Config, in_chans: int, imag
     return flops
 
 
+def _step_timer(objective: torch.nn.Module, in_chans: int, img_size: int, micro: int):
+    """For precision=auto on CPU: seconds of one micro-batch step, averaged over ranks so every
+    rank makes the same choice."""
+
+    def timer(autocast: bool) -> float:
+        x = torch.rand(micro, in_chans, img_size, img_size)
+        y = torch.zeros(micro, dtype=torch.long)
+        seconds = measure_step_seconds(objective, x, y, autocast)
+        total = all_reduce_sum(torch.tensor([seconds], dtype=torch.float64))
+        return float(total.item()) / torch.distributed.get_world_size()
+
+    return timer
+
+
+def _run_precision(cfg: Config, run_dir: Path, rank: int, timer) -> str:
+    """The precision of this run: resolved once (`auto` may time the model), then read back
+    from RUN/precision on every resume, so a run never changes arithmetic halfway."""
+    saved = run_dir / "precision"
+    known = broadcast_object(saved.read_text().strip() if rank == 0 and saved.is_file() else None)
+    if known and cfg.train.precision in ("auto", known):
+        return str(known)
+    precision = resolve_precision(cfg.train.precision, timer)
+    if rank == 0:
+        atomic_write_text(saved, precision + "\n")
+    return precision
+
+
 def _train_step(
     engine: deepspeed.DeepSpeedEngine,
     optimizer: torch.optim.Optimizer,
@@ -184,6 +223,7 @@ def _open_tracker(
         run_id=run_id_file.read_text().strip() if run_id_file.is_file() else None,
         tracking_uri=cfg.tracking.uri,
         spool_dir=run_dir / "mlflow_spool",
+        tags={PARENT_TAG: cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None,
     )
     if rank == 0:
         _save_run_id(tracker, run_id_file)
@@ -246,13 +286,15 @@ def train(cfg: Config, header: str = "") -> Path:
 
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     objective, objective_options, spec = build_from_config(cfg, manifest)
-    precision = resolve_precision(cfg.train.precision)
+    timer = _step_timer(objective, spec.in_chans, cfg.model.img_size, micro)
+    precision = _run_precision(cfg, run_dir, rank, timer)
     cpu_autocast = device.type == "cpu" and precision == "bf16"
     loader = make_train_loader(
         cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
         world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
         seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
         hflip=cfg.data.hflip, missing=cfg.data.missing_shards,
+        holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
     )  # fmt: skip
     steps_per_epoch = loader.steps_per_epoch  # of the shards actually read
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)

@@ -1,0 +1,152 @@
+"""A hyper-parameter sweep chosen on held-out data: one fine-tune per value, the best kept.
+
+    python evals/finetune.py --config configs/fmnist_finetune.yaml --backbone RUN \
+        --sweep optim.lr=0.003,0.01,0.03,0.06 run.dir=runs/ft_sweep
+
+The paper picks the fine-tuning learning rate from {0.003, 0.01, 0.03, 0.06} on a held-out 2%
+of the training set (appendix B.1.1). Each value trains in RUN/<key>=<value>/ (a run directory
+of its own, resumed like any run: a finished one is skipped), as an MLflow run nested under a
+parent run for the sweep. The value whose run reached the best top-1 on the selection split
+(the held-out part of the training split) wins; RUN/results.json names it, with every value's
+held-out top-1 and the chosen run's test top-1, which is only reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ssl_vit.config import Config, ConfigError, holdout_fraction, load_config
+from ssl_vit.data.manifest import atomic_write_text
+
+log = logging.getLogger("ssl_vit.train")
+
+
+def parse_sweep(spec: str) -> tuple[str, list[Any]]:
+    """ "optim.lr=0.003,0.01" -> ("optim.lr", [0.003, 0.01]); values are YAML scalars."""
+    key, sep, raw = spec.partition("=")
+    values = [yaml.safe_load(v) for v in raw.split(",") if v.strip()] if sep else []
+    if not key or "." not in key or len(values) < 2:
+        raise ConfigError(
+            f"--sweep {spec!r}: expected section.key=v1,v2[,...] with two or more values, "
+            "e.g. --sweep optim.lr=0.003,0.01,0.03,0.06"
+        )
+    return key, values
+
+
+def child_dir(base: Path, key: str, value: Any) -> Path:
+    return base / f"{key}={value}"
+
+
+def check_sweep(config_path: str | None, overrides: list[str], key: str, values: list) -> None:
+    """Every value makes a valid config, and there is held-out data to choose on."""
+    cfg = load_config(config_path, overrides)
+    if holdout_fraction(cfg) == 0 and not cfg.run.eval_split:
+        raise ConfigError(
+            "--sweep chooses on held-out data: set data.holdout_fraction (e.g. 0.02) or "
+            "run.eval_split=val"
+        )
+    for v in values:
+        load_config(config_path, [*overrides, f"{key}={v}"])  # raises ConfigError if bad
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def choose(key: str, values: list[Any], runs: list[dict]) -> dict[str, Any]:
+    """The sweep's results: the value with the best selection-split top-1 (first on ties)."""
+    scored = [r for r in runs if r.get("selection_best_top1") is not None]
+    if len(scored) != len(runs):
+        raise ConfigError(
+            "--sweep needs a selection split in every run (the held-out part of the training "
+            "split: data.holdout_fraction > 0, or a val split); none was scored"
+        )
+    best = max(range(len(runs)), key=lambda i: (runs[i]["selection_best_top1"], -i))
+    win = runs[best]
+    return {
+        "sweep": {"key": key, "values": values},
+        "chosen_by": "best selection_best_top1 (held-out top-1 over the run's evals)",
+        "selection_split": win["selection_split"],
+        "report_split": win["report_split"],
+        "chosen": {key: values[best]},
+        "chosen_run_dir": win["run_dir"],
+        "selection_best_top1": win["selection_best_top1"],
+        "best_step": win["best_step"],
+        # The chosen run's report-split (test) top-1: at its chosen step and at its end.
+        "selected_top1": win["selected_top1"],
+        "final_top1": win["final_top1"],
+        "runs": runs,
+    }
+
+
+def run_sweep(
+    config_path: str | None, overrides: list[str], spec: str, header: str, train_fn
+) -> dict[str, Any]:
+    """Train one run per value (every rank calls this), then write RUN/results.json (rank 0).
+
+    `train_fn(cfg, header)` is the trainer's `train`."""
+    from ssl_vit.engine.distributed import barrier, init_distributed
+    from ssl_vit.tracking import Tracker
+
+    key, values = parse_sweep(spec)
+    base_cfg: Config = load_config(config_path, overrides)
+    base = Path(base_cfg.run.dir)
+    check_sweep(config_path, overrides, key, values)
+    rank, _, _ = init_distributed()
+    parent = None
+    if rank == 0:
+        base.mkdir(parents=True, exist_ok=True)
+        id_file = base / "mlflow_run_id"
+        parent = Tracker(
+            enabled=True, experiment=base_cfg.tracking.experiment,
+            run_name=base_cfg.tracking.run_name or base.name,
+            run_id=id_file.read_text().strip() if id_file.is_file() else None,
+            tracking_uri=base_cfg.tracking.uri, spool_dir=base / "mlflow_spool",
+            tags={"ssl_vit.sweep": key}, system_metrics=False,
+        )  # fmt: skip
+        if parent.run_id and not id_file.is_file():
+            atomic_write_text(id_file, parent.run_id + "\n")
+        parent.log_params({"sweep.key": key, "sweep.values": values, "header": header})
+    runs = []
+    for value in values:
+        out = child_dir(base, key, value)
+        child = [*overrides, f"{key}={value}", f"run.dir={out}"]
+        if parent is not None and parent.run_id:
+            child.append(f"tracking.parent_run_id={parent.run_id}")
+        if (out / "results.json").is_file():
+            log.info("sweep %s=%s: finished before, kept (%s)", key, value, out)
+        else:
+            log.info("sweep %s=%s: training in %s", key, value, out)
+            train_fn(load_config(config_path, child), header=f"{header} [{key}={value}]")
+        barrier()
+        res = _read(out / "results.json") or {}
+        rid = _read_text(out / "mlflow_run_id")
+        runs.append({"value": value, "run_dir": str(out), "mlflow_run_id": rid, **res})
+    result = choose(key, values, runs)
+    if rank == 0 and parent is not None:
+        result["mlflow_run_id"] = parent.run_id
+        path = base / "results.json"
+        atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+        parent.log_params({f"chosen.{key}": result["chosen"][key]})
+        for i, r in enumerate(runs):  # step = position of the value in the sweep
+            parent.log_metrics({"sweep/selection_best_top1": r["selection_best_top1"]}, step=i)
+        chosen = {"chosen/selection_best_top1": result["selection_best_top1"]}
+        if result["selected_top1"] is not None:
+            chosen["chosen/selected_top1"] = result["selected_top1"]
+        parent.log_metrics(chosen, step=0)
+        parent.log_artifact(path)
+        parent.close()
+        log.info("sweep: chose %s=%s (held-out top-1 %.4f; test top-1 %s); %s", key,
+                 result["chosen"][key], result["selection_best_top1"], result["selected_top1"],
+                 path)  # fmt: skip
+    barrier()
+    return result
+
+
+def _read_text(path: Path) -> str | None:
+    return path.read_text().strip() if path.is_file() else None
