@@ -273,3 +273,26 @@ def test_mlflow_down_at_start_then_replayed(tiny_shards, tmp_path):
     finally:
         server.kill()
     print(f"\nMLflow down at start: training took {took:.1f}s; replay pushed steps {sorted(steps)}")
+
+
+def test_resume_position_counts_the_shards_actually_read(tiny_shards, tmp_path):
+    """With a shard gone and data.missing_shards=skip an epoch is 12 steps, not the manifest's
+    16: a resume at step 14 is epoch 1, batch 2 (the manifest's count would say epoch 0, batch
+    14, past the end of what is readable)."""
+    short = tmp_path / "short"
+    short.mkdir()
+    for p in tiny_shards.iterdir():
+        if p.is_file() and p.name != "train-000003.tar":
+            (short / p.name).write_bytes(p.read_bytes())
+    run_dir = tmp_path / "run"
+    common = ["data.missing_shards=skip", "run.checkpoint_every=7"]
+    first = run_cli([PIPE, *overrides(short, run_dir, tmp_path / "db", "train.steps=14", *common)])
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = json.loads(
+        (run_dir / "checkpoints" / "step00000014" / "trainer_state.json").read_text()
+    )
+    assert state["steps_per_epoch"] == 12  # 384 readable samples / 32
+    more = run_cli([PIPE, *overrides(short, run_dir, tmp_path / "db", "train.steps=20", *common)])
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resumed from step 14" in more.stderr
+    assert metric_steps(run_dir) == list(range(2, 21, 2))

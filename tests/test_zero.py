@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, run_cli, toy_images, write_idx
+from test_train_e2e import TINY as E2E_TINY
 
 from ssl_vit.engine.optim import lr_lambda
 from ssl_vit.models import load_backbone
@@ -29,15 +30,8 @@ pytestmark = pytest.mark.slow
 
 STEPS, WARMUP, LR = 24, 4, 2e-3
 TINY = [
-    "model.img_size=16",
-    "model.patch_size=4",
-    "model.kwargs={depth: 2, embed_dim: 32, num_heads: 2}",
-    "data.num_workers=1",
-    "data.crop_scale=[0.5, 1.0]",
-    "train.global_batch=32",
-    "train.epochs=null",
+    *(o for o in E2E_TINY if not o.startswith(("optim.lr=", "optim.warmup_steps=", "run.log"))),
     f"train.steps={STEPS}",
-    "train.precision=fp32",
     f"optim.lr={LR}",
     f"optim.warmup_steps={WARMUP}",
     # The attention key bias has a mathematically zero gradient (softmax ignores a constant

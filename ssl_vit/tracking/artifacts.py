@@ -32,6 +32,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ssl_vit.data.manifest import sha256_file
+
 log = logging.getLogger("ssl_vit.tracking")
 
 __all__ = ["ArtifactError", "ResolvedExport", "cache_root", "is_mlflow_uri", "resolve_export"]
@@ -268,14 +270,6 @@ def _download(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verify_export(folder: Path, label: str) -> None:
     """Each file backbone.json lists under `files` has its sha256; each .safetensors parses."""
     from safetensors import safe_open
@@ -292,7 +286,7 @@ def verify_export(folder: Path, label: str) -> None:
         path = folder / name
         if not path.is_file():
             raise ArtifactError(f"{label}: {name} is listed in backbone.json but missing")
-        got = _sha256(path)
+        got = sha256_file(path)
         if got != want:
             raise ArtifactError(
                 f"{label}: {name} has sha256 {got[:16]}..., backbone.json says {want[:16]}...; "
