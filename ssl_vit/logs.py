@@ -55,8 +55,10 @@ def setup_logging(
     """Root logging at `level` (our progress lines); library chatter off unless `verbose`."""
     logging.basicConfig(level=level, format=fmt, datefmt=datefmt)
     if verbose:
-        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO")
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true")
+        # -v wins over a quiet level inherited from a parent process (which may have set it
+        # up quiet itself); a user's own quiet choice stays below, via setdefault
+        os.environ["MLFLOW_LOGGING_LEVEL"] = "INFO"
+        os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "true"
         for name in QUIET_LEVELS:  # DeepSpeed stays at WARNING: its INFO dumps whole configs
             keep = name in ("DeepSpeed", "deepspeed", "torch.distributed")
             logging.getLogger(name).setLevel(logging.WARNING if keep else logging.NOTSET)

@@ -42,6 +42,7 @@ TINY = [
     "run.log_every=2",
     "run.checkpoint_every=4",
     "run.eval_every=8",
+    "data.holdout_fraction=0.1",  # export_best is chosen on a held-out part of train
     "train.deepspeed={zero_optimization: {stage3_param_persistence_threshold: 0}}",
 ]
 
