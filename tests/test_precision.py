@@ -57,8 +57,9 @@ def test_with_native_bf16_the_measured_faster_wins(mpp_step, monkeypatch, caplog
     calls.clear()
     with caplog.at_level(logging.INFO, logger="ssl_vit.train"):
         choice = resolve_precision("auto", timer)
-    (a32, fp32), (a16, bf16) = calls  # one real measurement of each
-    assert (a32, a16) == (False, True)
+    assert [a for a, _ in calls] == [False, True, False, True]  # interleaved rounds
+    fp32 = min(t for a, t in calls if not a)  # the fastest round of each
+    bf16 = min(t for a, t in calls if a)
     assert choice == ("bf16" if bf16 * BF16_MIN_SPEEDUP < fp32 else "fp32")
     assert f"{1e3 * fp32:.1f} ms in fp32, {1e3 * bf16:.1f} ms in bf16" in caplog.text
     # Handicap one side by a second: the choice follows the measurement, not the CPU flags.
