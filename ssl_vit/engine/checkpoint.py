@@ -6,8 +6,8 @@
 DeepSpeed writes into `<tag>.partial/`; only when every rank has finished is it renamed to
 `<tag>/` and `latest` replaced (temp file + rename). A kill at any moment therefore leaves
 `latest` naming a complete checkpoint, and a leftover `.partial` folder is deleted on the next
-save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks) and `load`
-(rank 0 decides which checkpoint and tells the others, so no rank can start from another step).
+save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks), `find` and
+`restore` (rank 0 decides which checkpoint and tells the others: no rank starts elsewhere).
 The run directory must be on storage all ranks share: `check_shared` refuses to start otherwise.
 """
 
