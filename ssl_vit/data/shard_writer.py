@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ssl_vit.data.manifest import atomic_write_text, sha256_file
+from ssl_vit.io import atomic_write_text, sha256_file
 
 _BLOCK = 512
 _END = b"\0" * (2 * _BLOCK)  # two zero blocks end a tar archive

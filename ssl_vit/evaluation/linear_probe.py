@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ssl_vit.evaluation.knn import topk_accuracy
+
 DEFAULT_L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 DEFAULT_LR_GRID = (1e-3, 1e-2)
 
@@ -31,10 +33,8 @@ def _standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tenso
 
 
 def topk_accuracies(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    k = min(5, logits.shape[1])
-    top = logits.topk(k, dim=1).indices  # (N, k)
-    hit = top == labels[:, None]
-    return hit[:, 0].float().mean().item(), hit.any(1).float().mean().item()
+    """(top-1, top-5) accuracy of class scores (N, K)."""
+    return topk_accuracy(logits, labels, 1), topk_accuracy(logits, labels, 5)
 
 
 def fit_lbfgs(
@@ -92,6 +92,17 @@ def fit_adamw(
     return head
 
 
+def _sweep(fit, grid: list, train: tuple, val: tuple) -> list[dict[str, float]]:
+    """Validation top-1 of a head fitted on `train` for every (l2, lr) of `grid`."""
+    sweep = []
+    for l2, lr in tqdm(grid, desc="probe sweep", disable=None):
+        head = fit(*train, l2, lr)
+        with torch.no_grad():
+            top1, _ = topk_accuracies(head(val[0]), val[1])
+        sweep.append({"l2": l2, "lr": lr, "val_top1": top1})
+    return sweep
+
+
 def linear_probe_eval(
     train_features: np.ndarray,
     train_labels: np.ndarray,
@@ -130,12 +141,7 @@ def linear_probe_eval(
         return fit_adamw(xf, yf, num_classes, l2, lr, epochs, batch_size, seed)
 
     grid = [(l2, lr) for l2 in l2_grid for lr in (lr_grid if solver == "adamw" else (0.0,))]
-    sweep: list[dict[str, float]] = []
-    for l2, lr in tqdm(grid, desc="probe sweep", disable=None):
-        head = fit(xtr, y[tr], l2, lr)
-        with torch.no_grad():
-            top1, _ = topk_accuracies(head(xva), y[va])
-        sweep.append({"l2": l2, "lr": lr, "val_top1": top1})
+    sweep = _sweep(fit, grid, (xtr, y[tr]), (xva, y[va]))
     best = max(sweep, key=lambda r: (r["val_top1"], r["l2"]))  # ties: the stronger penalty
 
     xs, xts = _standardize(x, xt)

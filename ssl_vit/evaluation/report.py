@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.io import atomic_write_text
 from ssl_vit.tracking.nesting import parent_experiment, parent_from_env
 
 log = logging.getLogger(__name__)

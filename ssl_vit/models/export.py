@@ -7,17 +7,16 @@ Loading at another img_size interpolates the position embeddings (paper sec. 3.2
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
-from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.io import atomic_write_bytes, atomic_write_text, sha256_file
 from ssl_vit.models.backbones import build_backbone, token_geometry
 from ssl_vit.models.pos_embed import adapt_pos_embed_state
 
@@ -50,11 +49,7 @@ def export_backbone(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    tmp = out / f".{WEIGHTS}.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt", "arch": arch})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out / WEIGHTS)
+    atomic_write_bytes(out / WEIGHTS, save(tensors, metadata={"format": "pt", "arch": arch}))
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "arch": arch,
@@ -62,19 +57,11 @@ def export_backbone(
         "mean": [float(m) for m in mean],
         "std": [float(s) for s in std],
         "token_grid": list(token_geometry(model).grid),
-        "files": {WEIGHTS: _sha256(out / WEIGHTS)},
+        "files": {WEIGHTS: sha256_file(out / WEIGHTS)},
     }
     meta.update(extra or {})
     atomic_write_text(out / META, json.dumps(meta, indent=2) + "\n")
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def record_files(out_dir: str | os.PathLike, names: Sequence[str]) -> None:
@@ -82,7 +69,7 @@ def record_files(out_dir: str | os.PathLike, names: Sequence[str]) -> None:
     out = Path(out_dir)
     meta = json.loads((out / META).read_text(encoding="utf-8"))
     files = dict(meta.get("files") or {})
-    files.update({name: _sha256(out / name) for name in names})
+    files.update({name: sha256_file(out / name) for name in names})
     meta["files"] = files
     atomic_write_text(out / META, json.dumps(meta, indent=2) + "\n")
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ssl_vit.tracking.spool import replay_file
-from ssl_vit.tracking.store import _Unreachable
+from ssl_vit.tracking.store import Unreachable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_id, n = replay_file(path, args.tracking_uri)
             print(f"{path}: {n} events -> run {run_id}")
-        except (_Unreachable, ValueError) as e:
+        except (Unreachable, ValueError) as e:
             print(f"error: {path}: {e}", file=sys.stderr)
             failed += 1
     if not files:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.io import atomic_write_text
 
 log = logging.getLogger("ssl_vit.tracking")
 

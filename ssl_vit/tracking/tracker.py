@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from ssl_vit.tracking.nesting import PARENT_TAG, parent_from_env
-from ssl_vit.tracking.spool import _read_header, _Spool, replay_file
-from ssl_vit.tracking.store import MAX_METRICS, _send_or_raise, _Store, _Unreachable
+from ssl_vit.tracking.spool import Spool, read_header, replay_file
+from ssl_vit.tracking.store import MAX_METRICS, Store, Unreachable, send_or_raise
 
 log = logging.getLogger("ssl_vit.tracking")
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -105,8 +105,8 @@ class Tracker:
             tracking_uri=_absolute_uri(self.tracking_uri), experiment=experiment, run_name=run_name,
             run_id=run_id, tags=tags,
         )  # fmt: skip
-        self._spool = _Spool(Path(spool_dir or "mlflow-spool").resolve(), header)
-        self._store = _Store(self.tracking_uri)
+        self._spool = Spool(Path(spool_dir or "mlflow-spool").resolve(), header)
+        self._store = Store(self.tracking_uri)
         self._queue: queue.Queue = queue.Queue()
         self._last: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -196,7 +196,7 @@ class Tracker:
             mine = [self._spool.path] + [  # ours, then earlier processes' spools of this run
                 p
                 for p in sorted(self._spool.root.glob("*.jsonl"))
-                if p != self._spool.path and _read_header(p).get("run_id") == self._run_id
+                if p != self._spool.path and read_header(p).get("run_id") == self._run_id
             ]
             for path in mine:
                 if path.exists():
@@ -239,9 +239,9 @@ class Tracker:
     def _handle(self, ev: dict) -> None:
         if self._online and not self._abandon and self._run_id is not None:
             try:
-                _send_or_raise(self._store, self._run_id, ev, self._spool)
+                send_or_raise(self._store, self._run_id, ev, self._spool.reject)
                 return
-            except _Unreachable as e:
+            except Unreachable as e:
                 log.warning("MLflow store %s unreachable (%s); spooling to %s",
                             self.tracking_uri, e, self._spool.root)  # fmt: skip
                 self._online = False
