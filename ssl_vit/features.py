@@ -121,7 +121,7 @@ def _model_geometry(model: nn.Module) -> tuple[int, int]:
 
 
 def load_eval_backbone(path: str | os.PathLike, *, img_size: int | None = None) -> EvalBackbone:
-    """Load an export folder or a run directory (contract 2: `ssl_vit.models.load_backbone`)."""
+    """Load an export folder or a run directory (`ssl_vit.models.load_backbone`)."""
     path = Path(path)
     if not path.exists():
         raise FeatureError(f"{path}: no such backbone folder; pass an export folder or run dir")
@@ -303,7 +303,7 @@ def cached(
 def _eval_batches(
     data: Path, split: str, batch_size: int, num_workers: int, img_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Contract 4: each sample of the split once, in order, as uint8 (B, C, img_size, img_size)."""
+    """Each sample of the split once, in order, as uint8 (B, C, img_size, img_size)."""
     from ssl_vit.data.stream import make_eval_loader
 
     yield from make_eval_loader(

@@ -19,18 +19,17 @@ import webdataset as wds
 from PIL import Image
 
 from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
-from ssl_vit.inspect import (
-    AttentionRecorder,
+from ssl_vit.inspect import inspect_model
+from ssl_vit.inspect.analyses import (
     attention_rollout,
     class_rollout_maps,
     embedding_filter_components,
-    inspect_model,
     mean_attention_distance,
     mpp_mean_colours,
     patch_distances,
     position_similarity,
-    record_attention,
 )
+from ssl_vit.inspect.attention import AttentionRecorder, record_attention
 from ssl_vit.io import sha256_file
 from ssl_vit.models import build_backbone, export_backbone, load_backbone
 from ssl_vit.objectives import MaskedPatchPrediction

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.optim import Lars
 from tqdm.auto import tqdm
 
 from ssl_vit.evaluation.knn import topk_accuracy
@@ -163,40 +164,16 @@ def linear_probe_eval(
     return out
 
 
-class LARS(torch.optim.Optimizer):
-    """SGD with momentum and a layer-wise trust ratio (You et al. 2017), as MAE's probe uses.
-
-    1-D parameters (biases, norms) get neither weight decay nor the trust ratio.
-    """
-
-    def __init__(
-        self,
-        params,
-        lr: float,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        trust_coefficient: float = 0.001,
-    ) -> None:
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=trust_coefficient)
-        super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d = p.grad
-                if p.ndim > 1:
-                    d = d.add(p, alpha=group["weight_decay"])
-                    pn, dn = torch.norm(p), torch.norm(d)
-                    ratio = torch.where(
-                        (pn > 0) & (dn > 0), group["eta"] * pn / dn, torch.ones_like(pn)
-                    )
-                    d = d.mul(ratio)
-                buf = self.state[p].setdefault("mu", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(d)
-                p.add_(buf, alpha=-group["lr"])
+def lars(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9 and a layer-wise trust ratio (You et al. 2017), as MAE's probe:
+    the ratio 0.001 |w| / |g| on weight matrices only (biases and norms get plain SGD), no
+    weight decay. timm's Lars with eps=0 computes exactly that."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim > 1], "always_adapt": True},
+        {"params": [p for p in params if p.ndim <= 1], "always_adapt": False},
+    ]
+    return Lars(groups, lr=lr, momentum=0.9, trust_coeff=0.001, eps=0.0)
 
 
 def mae_probe_eval(
@@ -222,7 +199,7 @@ def mae_probe_eval(
     nn.init.trunc_normal_(model[1].weight, std=0.01)  # MAE's head init
     nn.init.zeros_(model[1].bias)
     lr = base_lr * batch_size / 256
-    opt = LARS(model.parameters(), lr=lr)
+    opt = lars(model, lr)
     steps_per_epoch = math.ceil(len(x) / batch_size)
     total, warm = epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
     g = torch.Generator().manual_seed(seed)

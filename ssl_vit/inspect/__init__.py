@@ -20,44 +20,20 @@ from torch import nn
 
 from ssl_vit.inspect import plots
 from ssl_vit.inspect.analyses import (
-    AttentionStats,
-    attention_rollout,
     attention_statistics,
-    class_rollout_maps,
     embedding_filter_components,
-    mean_attention_distance,
     mean_pairwise_grid_distance,
     mpp_mean_colours,
-    patch_distances,
     patch_grid,
     patch_pixels,
     patch_position_embeddings,
     position_similarity,
 )
-from ssl_vit.inspect.attention import AttentionRecorder, attention_from_qkv, record_attention
 from ssl_vit.io import atomic_write_text
 from ssl_vit.models import backbone_kind
 from ssl_vit.recipe import CorruptionKind
 
-__all__ = [
-    "AttentionRecorder",
-    "AttentionStats",
-    "attention_from_qkv",
-    "attention_rollout",
-    "attention_statistics",
-    "class_rollout_maps",
-    "embedding_filter_components",
-    "inspect_model",
-    "mean_attention_distance",
-    "mean_pairwise_grid_distance",
-    "mpp_mean_colours",
-    "patch_distances",
-    "patch_grid",
-    "patch_pixels",
-    "patch_position_embeddings",
-    "position_similarity",
-    "record_attention",
-]
+__all__ = ["inspect_model"]  # the analyses: ssl_vit.inspect.analyses, .attention; figures: .plots
 
 log = logging.getLogger(__name__)
 

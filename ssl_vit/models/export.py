@@ -1,4 +1,4 @@
-"""Export and load backbones: backbone.safetensors + backbone.json (contract 2).
+"""Export and load backbones: backbone.safetensors + backbone.json.
 
 Weights are plain tensors in safetensors (never pickled); backbone.json names the timm
 architecture and the `build_backbone` arguments, so loading needs no code from the training run.

@@ -1,4 +1,4 @@
-"""Training objectives (contract 3): nn.Modules called as `objective(images01, labels)` ->
+"""Training objectives: nn.Modules called as `objective(images01, labels)` ->
 `(loss, metrics)`, each with a `.backbone`.
 
 - "mpp": MaskedPatchPrediction (paper sec. 4.6), ssl_vit.objectives.mpp

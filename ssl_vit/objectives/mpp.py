@@ -81,7 +81,7 @@ class MPPPrediction:
 
 
 class MaskedPatchPrediction(nn.Module):
-    """MPP objective around a timm ViT, hybrid ViT or MLP-Mixer (contract 3).
+    """MPP objective around a timm ViT, hybrid ViT or MLP-Mixer.
 
     Called as `objective(images, labels) -> (loss, metrics)` with images (B, C, H, W) float32 in
     [0, 1] (normalised here with `mean`/`std` and cast to the module's dtype; targets use the raw

@@ -20,7 +20,7 @@ __all__ = ["SupervisedObjective", "JointObjective"]
 
 
 class SupervisedObjective(nn.Module):
-    """Cross-entropy (optionally label-smoothed) through a tanh-MLP head (contract 3).
+    """Cross-entropy (optionally label-smoothed) through a tanh-MLP head.
 
     `objective(images01, labels) -> (loss, {"sup/loss", "sup/acc"})`; labels of -1 (unlabelled)
     are left out of loss and accuracy; a batch with none labelled gives loss 0 (still a graph).

@@ -1,4 +1,4 @@
-"""MLflow tracking on rank 0, tolerant of an unreachable server (shared contract 5).
+"""MLflow tracking on rank 0, tolerant of an unreachable server.
 
     from ssl_vit.tracking import Tracker         # Tracker(enabled=rank == 0, experiment=...)
     python -m ssl_vit.tracking replay SPOOL_DIR [--tracking-uri URI]

@@ -1,4 +1,4 @@
-"""The Tracker: MLflow tracking on rank 0, tolerant of an unreachable server (shared contract 5).
+"""The Tracker: MLflow tracking on rank 0, tolerant of an unreachable server.
 
 Public API:
 
