@@ -95,7 +95,7 @@ ROWS = [
     ("img-size-not-divisible", [MPP, *PRE, "model.img_size=18"], 2,
      "model.img_size=18 is not divisible by model.patch_size=4"),
     ("batch-larger-than-data", [MPP, *PRE, "train.global_batch=4096"], 2,
-     "train.global_batch=4096 exceeds the 512 samples of split 'train'"),
+     "train.global_batch=4096 exceeds the 512 training samples of split 'train'"),
     ("data-without-manifest", [MPP, *PRE, "data.root={B}/empty"], 2,
      "empty/manifest.json: not found"),
     ("data-split-not-in-manifest", [MPP, *PRE, "data.split=valid"], 2,

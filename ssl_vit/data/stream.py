@@ -1,5 +1,10 @@
 """Streaming input from a shard set: split by rank and worker, shuffle, decode, augment, batch.
 
+Why our own streams rather than webdataset's pipeline: an exact mid-epoch resume (the batches
+k.. of the interrupted epoch, on every rank and worker, tested by
+tests/test_stream.py::test_skip_batches_is_the_tail and the kill-and-resume runs of
+tests/test_faults.py) and equal step counts on every rank (test_equal_steps_on_every_rank).
+
 Public API:
 
     loader = make_train_loader(root, "train", global_batch=4096, rank=r, world_size=ws,

@@ -14,6 +14,7 @@ have drawn.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -51,8 +52,8 @@ from ssl_vit.engine.progress import MetricWindow, TrainProgress, write_loss_plot
 from ssl_vit.io import atomic_write_text
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
 from ssl_vit.tracking import Tracker
-from ssl_vit.tracking.nesting import PARENT_TAG
 from ssl_vit.tracking.registry import headline_metrics, register_export
+from ssl_vit.tracking.store import PARENT_TAG
 
 log = logging.getLogger("ssl_vit.train")
 
@@ -71,12 +72,7 @@ class Counters:
     skipped_total: int = 0  # optimizer steps not applied (non-finite loss or fp16 overflow)
 
     def state(self) -> dict:
-        return {
-            "step": self.step,
-            "nonfinite_in_row": self.nonfinite_in_row,
-            "nonfinite_total": self.nonfinite_total,
-            "skipped_total": self.skipped_total,
-        }
+        return dataclasses.asdict(self)
 
 
 def _check_run_dir(run_dir: Path, cfg: Config) -> None:

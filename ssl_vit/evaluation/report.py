@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ssl_vit.io import atomic_write_text
-from ssl_vit.tracking.nesting import PARENT_TAG, parent_from_env
+from ssl_vit.tracking.nesting import parent_from_env
+from ssl_vit.tracking.store import PARENT_TAG
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,31 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
-
-from ssl_vit.tracking.nesting import PARENT_TAG, parent_experiment
+from typing import Any
 
 log = logging.getLogger("ssl_vit.tracking")
 MAX_METRICS = 1000  # per log_batch
+DEFAULT_URI = "sqlite:///mlflow.db"
+PARENT_TAG = "mlflow.parentRunId"
+
+
+def resolve_uri(uri: str | None) -> str:
+    """The tracking store: `uri`, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def parent_experiment(client: Any, parent: str) -> str | None:
+    """The parent run's experiment id, or None (with a warning) when the store lacks it."""
+    try:
+        return client.get_run(parent).info.experiment_id
+    except Exception as e:
+        log.warning("parent run %s not found (%s); not nesting", parent, str(e)[:200])
+        return None
+
+
 MAX_PARAMS = 100  # per log_batch
 
 

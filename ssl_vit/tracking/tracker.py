@@ -49,12 +49,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.tracking.nesting import PARENT_TAG, parent_from_env
+from ssl_vit.tracking.nesting import parent_from_env
 from ssl_vit.tracking.spool import Spool, read_header, replay_file
-from ssl_vit.tracking.store import MAX_METRICS, Store, Unreachable, send_or_raise
+from ssl_vit.tracking.store import (
+    MAX_METRICS,
+    PARENT_TAG,
+    Store,
+    Unreachable,
+    resolve_uri,
+    send_or_raise,
+)
 
 log = logging.getLogger("ssl_vit.tracking")
-DEFAULT_URI = "sqlite:///mlflow.db"
 MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH (500 before MLflow 1.x)
 _STOP = object()
 
@@ -93,7 +99,7 @@ class Tracker:
         self._run_id = run_id
         if not enabled:
             return
-        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        self.tracking_uri = resolve_uri(tracking_uri)
         if self.tracking_uri.startswith(("http://", "https://")):
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout)))
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -248,6 +254,9 @@ class Tracker:
         self._spool.append([ev])
 
     def _start_system_metrics(self, interval: float) -> None:
+        # mlflow.enable_system_metrics_logging would log straight to the store from its own
+        # thread; sampling its monitors here puts the values through our queue and spool, so a
+        # store outage loses none of them.
         try:
             import psutil  # noqa: F401  (mlflow's monitors need it)
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
