@@ -48,6 +48,7 @@ TINY = [
     "run.log_every=2",
     "run.checkpoint_every=4",
     "run.eval_every=8",
+    "data.holdout_fraction=0.125",  # the selection split export_best/ is chosen on
     "train.deepspeed={zero_optimization: {stage3_param_persistence_threshold: 0}}",
 ]
 
