@@ -27,8 +27,9 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
-from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, sha256_file, write_manifest
+from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 from ssl_vit.data.stream import make_train_loader
+from ssl_vit.io import sha256_file
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 

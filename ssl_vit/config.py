@@ -18,6 +18,9 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from ssl_vit.io import atomic_write_text
+from ssl_vit.recipe import MPP, TARGETS
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key and what to do."""
@@ -72,11 +75,12 @@ class ModelConfig:
 @dataclass
 class ObjectiveConfig:
     kind: str = "mpp"  # "mpp", "supervised", "joint" (a*MPP + b*supervised) or "finetune"
-    corrupt_ratio: float = 0.5  # share of patches corrupted; the paper's 50% (sec. 4.6)
-    mask_prob: float = 0.8  # of corrupted: [mask] embedding (BERT's 80/10/10, B.1.2)
-    random_prob: float = 0.1  # of corrupted: another patch's embedding
-    target: str = "mean_color"  # "mean_color", "downsized_color" (4x4 in 3-bit) or "pixels" (L2)
-    bits: int = 3  # colour bits per channel of the targets (3 -> 512 classes for RGB)
+    # MPP: the paper's recipe (ssl_vit.recipe) unless overridden
+    corrupt_ratio: float = MPP.corrupt_ratio  # share of patches corrupted
+    mask_prob: float = MPP.mask_prob  # of corrupted: [mask] embedding
+    random_prob: float = MPP.random_prob  # of corrupted: another patch's embedding
+    target: str = MPP.target  # one of ssl_vit.recipe.TARGETS
+    bits: int = MPP.bits  # colour bits per channel of the targets
     label_smoothing: float = 0.0
     mpp_weight: float = 1.0
     supervised_weight: float = 1.0
@@ -257,15 +261,15 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Checks that need no data; `engine.preflight.check_data` does the rest with the shards."""
+    from ssl_vit.objectives import OBJECTIVES  # the registry (imports torch)
+
     m, o, t = cfg.model, cfg.objective, cfg.train
-    if o.kind not in ("mpp", "supervised", "joint", "finetune"):
-        raise ConfigError(f"objective.kind={o.kind!r}: choose mpp, supervised, joint or finetune")
+    if o.kind not in OBJECTIVES:
+        raise ConfigError(f"objective.kind={o.kind!r}: choose one of {', '.join(OBJECTIVES)}")
     if cfg.optim.name not in ("adamw", "sgd"):
         raise ConfigError(f"optim.name={cfg.optim.name!r}: choose adamw or sgd")
-    if o.target not in ("mean_color", "downsized_color", "pixels"):
-        raise ConfigError(
-            f"objective.target={o.target!r}: choose mean_color, downsized_color or pixels"
-        )
+    if o.target not in TARGETS:
+        raise ConfigError(f"objective.target={o.target!r}: choose one of {', '.join(TARGETS)}")
     if not 0 < o.corrupt_ratio <= 1:
         raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")
     if o.mask_prob < 0 or o.random_prob < 0 or o.mask_prob + o.random_prob > 1:
@@ -328,7 +332,5 @@ def local_batch(cfg: Config, world_size: int) -> tuple[int, int, int]:
 
 
 def save_config(cfg: Config, path: str | os.PathLike, header: str = "") -> None:
-    from ssl_vit.data.manifest import atomic_write_text
-
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     atomic_write_text(path, (header + "\n" if header else "") + text)

@@ -6,7 +6,7 @@ directory keyed by what determines them: the backbone weights (file sha256, or a
 seed for a randomly initialised baseline), the shard set (manifest sha256), the split, the
 pooling and the input size. A second eval of the same backbone reuses them.
 
-Cache files are safetensors (never pickle), written to a temporary name, fsynced and renamed.
+Cache files are safetensors (never pickle), written atomically (`ssl_vit.io`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 from tqdm.auto import tqdm
 
-from ssl_vit.data.manifest import MANIFEST_NAME, load_manifest, sha256_file
+from ssl_vit.data.manifest import MANIFEST_NAME, load_manifest
+from ssl_vit.io import atomic_write_bytes, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def _model_geometry(model: nn.Module) -> tuple[int, int]:
 
 
 def load_eval_backbone(path: str | os.PathLike, *, img_size: int | None = None) -> EvalBackbone:
-    """Load an export folder or a run directory (contract 2: `ssl_vit.models.load_backbone`)."""
+    """Load an export folder or a run directory (`ssl_vit.models.load_backbone`)."""
     path = Path(path)
     if not path.exists():
         raise FeatureError(f"{path}: no such backbone folder; pass an export folder or run dir")
@@ -294,19 +295,15 @@ def cached(
     labels = np.ascontiguousarray(labels, dtype=np.int64)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         meta = {k: json.dumps(v) for k, v in fields.items()}
-        save_file({"features": feats, "labels": labels}, str(tmp), metadata=meta)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, save({"features": feats, "labels": labels}, metadata=meta))
     return FeatureSet(feats, labels, False, time.perf_counter() - t0)
 
 
 def _eval_batches(
     data: Path, split: str, batch_size: int, num_workers: int, img_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Contract 4: each sample of the split once, in order, as uint8 (B, C, img_size, img_size)."""
+    """Each sample of the split once, in order, as uint8 (B, C, img_size, img_size)."""
     from ssl_vit.data.stream import make_eval_loader
 
     yield from make_eval_loader(
@@ -352,24 +349,15 @@ def split_features(
             Path(manifest.root), split, batch_size, num_workers, backbone.img_size
         )
         f, y = extract_features(
-            backbone,
-            batches,
-            pool=pool,
-            n_last=n_last,
-            device=device,
-            bf16=bf16,
-            total=info.num_samples,
-            desc=f"{split} features",
-        )
+            backbone, batches, pool=pool, n_last=n_last, device=device, bf16=bf16,
+            total=info.num_samples, desc=f"{split} features",
+        )  # fmt: skip
         if len(y) != info.num_samples:  # the loader skips (and reports) corrupt samples
             log.warning(
                 "%s: split %r lists %d samples but %d were readable; results cover those only "
                 "(run data_prep/verify_shards.py)",
-                manifest.root / MANIFEST_NAME,
-                split,
-                info.num_samples,
-                len(y),
-            )
+                manifest.root / MANIFEST_NAME, split, info.num_samples, len(y),
+            )  # fmt: skip
         return f, y
 
     fs = cached(cache_dir, fields, compute)

@@ -225,3 +225,26 @@ def test_cli_bad_arguments_one_line_error(tmp_path, extra, message):
     assert r.returncode != 0
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_hand_written_tar_bytes_equal_tarfile_ustar():
+    """shard_writer writes tar headers by hand (speed); the bytes must be tarfile's own."""
+    import io
+    import tarfile
+
+    from ssl_vit.data.shard_writer import _END, sample_blob, sample_members, sample_meta
+
+    members = sample_members(
+        "a/000123", "png", b"\x89PNG" + bytes(700), 7, sample_meta("x.png", (28, 28))
+    )
+    members += sample_members("b/9", "jpg", b"\xff\xd8" * 300, None, sample_meta("d/é.jpg", (5, 9)))
+    ref = io.BytesIO()
+    with tarfile.open(fileobj=ref, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime, info.uid, info.gid = len(data), 0o644, 0, 0, 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+    ours = sample_blob(members) + _END
+    assert ref.getvalue()[: len(ours)] == ours
+    assert not ref.getvalue()[len(ours) :].strip(b"\0")  # tarfile pads the record with zeros

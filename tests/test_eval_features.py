@@ -14,7 +14,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, sha256_file, write_manifest
+from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 from ssl_vit.features import (
     cached,
     extract_features,
@@ -22,6 +22,7 @@ from ssl_vit.features import (
     raw_pixels_backbone,
     resolve_pool,
 )
+from ssl_vit.io import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(embed_dim=32, depth=4, num_heads=2)  # a 4-block ViT small enough for a shared CPU

@@ -18,19 +18,19 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, sha256_file, write_manifest
-from ssl_vit.inspect import (
-    AttentionRecorder,
+from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from ssl_vit.inspect import inspect_model
+from ssl_vit.inspect.analyses import (
     attention_rollout,
     class_rollout_maps,
     embedding_filter_components,
-    inspect_model,
     mean_attention_distance,
     mpp_mean_colours,
     patch_distances,
     position_similarity,
-    record_attention,
 )
+from ssl_vit.inspect.attention import AttentionRecorder, record_attention
+from ssl_vit.io import sha256_file
 from ssl_vit.models import build_backbone, export_backbone, load_backbone
 from ssl_vit.objectives import MaskedPatchPrediction
 
@@ -106,7 +106,8 @@ def test_position_similarity_is_one_with_itself_and_cosine():
 
 
 def test_filter_components_are_orthonormal_principal_components():
-    sklearn_decomp = pytest.importorskip("sklearn.decomposition")
+    import sklearn.decomposition as sklearn_decomp  # a dev dependency
+
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 3, 4, 4, generator=g) @ torch.randn(4, 4, generator=g)  # correlated
     comps, ratio = embedding_filter_components(w, k=10)

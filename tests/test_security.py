@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -55,13 +53,6 @@ def test_crafted_pickle_backbone_is_refused_in_process(tmp_path):
     folder = _evil_export(tmp_path / "export", marker)
     with pytest.raises(Exception):  # noqa: B017 - any refusal will do; running the code will not
         load_backbone(folder)
-    assert not marker.exists()
-
-    # torch.load with weights_only=True (the only torch.load we allow) refuses it as well.
-    import torch
-
-    with pytest.raises(pickle.UnpicklingError):
-        torch.load(folder / "backbone.pt", weights_only=True)
     assert not marker.exists()
 
 
@@ -152,16 +143,7 @@ def test_decompression_bomb_is_refused(tmp_path):
     assert len(_sources(tmp_path / "out")) == 3
 
 
-@pytest.mark.parametrize("command", ["ui", "server"])
-def test_mlflow_ui_binds_localhost_by_default(command):
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlflow", command, "--help"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.split())
-    host_help = text.split("-h, --host")[1][:400]
-    assert "127.0.0.1" in host_help, host_help
+def test_documented_mlflow_commands_bind_localhost():
     readme = (ROOT / "README.md").read_text()
     for line in readme.splitlines():  # the commands we document never widen the bind
         if "mlflow ui" in line or "mlflow server" in line:

@@ -65,7 +65,7 @@ def test_joint_is_the_weighted_sum_on_one_backbone():
     torch.manual_seed(0)
     bb = _backbone()
     joint = build_objective(
-        "joint", bb, num_classes=10, mean=[0.5], std=[0.25], mpp_weight=0.7, sup_weight=0.3
+        "joint", bb, num_classes=10, mean=[0.5], std=[0.25], mpp_weight=0.7, supervised_weight=0.3
     )
     assert isinstance(joint, JointObjective) and joint.backbone is bb
     assert joint.mpp.backbone is bb and joint.supervised.backbone is bb

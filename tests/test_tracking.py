@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 from conftest import MlflowServer, wait_until
+from mlflow.tracking import MlflowClient
 
 from ssl_vit.tracking import MAX_PARAM_LEN, Tracker, flatten, main
-
-mlflow = pytest.importorskip("mlflow")
-from mlflow.tracking import MlflowClient  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,13 @@ This module depends only on the standard library so data_prep runs without torch
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ssl_vit.io import atomic_write_text
 
 FORMAT = "ssl-vit-shards"
 FORMAT_VERSION = 1
@@ -99,25 +100,6 @@ class Manifest:
         body = asdict(self)
         body.pop("root")
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **body}
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write to a temporary sibling, fsync, then rename: readers see the old or the new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_manifest(root: str | os.PathLike, manifest: Manifest) -> Path:

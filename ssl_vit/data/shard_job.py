@@ -37,7 +37,6 @@ from ssl_vit.data.manifest import (
     Manifest,
     ShardInfo,
     SplitInfo,
-    atomic_write_text,
     write_manifest,
 )
 from ssl_vit.data.shard_plan import Group, ShardOptions, make_plan
@@ -50,6 +49,7 @@ from ssl_vit.data.shard_writer import (
     verify_record,
 )
 from ssl_vit.data.sources import Listing, open_source
+from ssl_vit.io import atomic_write_text
 
 WORK = ".work"
 TOOL = "data_prep/make_shards.py"

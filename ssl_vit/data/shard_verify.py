@@ -10,7 +10,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from ssl_vit.data.manifest import ERRORS_NAME, Manifest, ManifestError, load_manifest, sha256_file
+from ssl_vit.data.manifest import ERRORS_NAME, Manifest, ManifestError, load_manifest
+from ssl_vit.io import sha256_file
 
 _IMAGE_EXTS = ("png", "jpg", "webp")
 

@@ -215,64 +215,83 @@ def _walk(
 # ----------------------------------------------------------------------------- list files
 
 
-def _list_file(path: Path) -> Listing:
-    """Rows of (path, optional label, optional split); paths are relative to the list's folder."""
-    rows: list[tuple[str, str | int | None, str | None]] = []
-    text = path.read_text(encoding="utf-8-sig")
-    ext = path.suffix.lower()
-    if ext == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                rows.append((str(obj["path"]), obj.get("label"), obj.get("split")))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise SourceError(
-                    f'{path}:{n}: expected a JSON object with "path" (and optional "label", '
-                    '"split")'
-                ) from None
-    elif ext == ".csv":
-        table = [r for r in csv.reader(text.splitlines()) if r and any(c.strip() for c in r)]
-        header = [c.strip().lower() for c in table[0]] if table else []
-        if "path" in header:
-            col = {
-                name: header.index(name) for name in ("path", "label", "split") if name in header
-            }
-            table = table[1:]
-        elif {"label", "split"} & set(header):  # a header, but the path column is misnamed
+_Row = tuple[str, str | int | None, str | None]  # (path, label, split)
+
+
+def _jsonl_rows(path: Path, text: str) -> list[_Row]:
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            rows.append((str(obj["path"]), obj.get("label"), obj.get("split")))
+        except (json.JSONDecodeError, KeyError, TypeError):
             raise SourceError(
-                f"{path}: the header names columns {', '.join(header)} but none is 'path'; "
-                "name the column of image paths 'path'"
-            )
-        else:
-            col = {"path": 0, "label": 1}
-        for r in table:
-            cell = {k: r[i].strip() for k, i in col.items() if i < len(r)}
-            rows.append((cell.get("path", ""), cell.get("label"), cell.get("split") or None))
-    else:  # .txt: "path" or "path<TAB>label" (without a tab, a last blank-separated token is one)
-        for line in text.splitlines():
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            parts = line.split("\t") if "\t" in line else line.rsplit(None, 1)
-            rows.append((parts[0].strip(), parts[1].strip() if len(parts) > 1 else None, None))
+                f'{path}:{n}: expected a JSON object with "path" (and optional "label", "split")'
+            ) from None
+    return rows
+
+
+def _csv_rows(path: Path, text: str) -> list[_Row]:
+    table = [r for r in csv.reader(text.splitlines()) if r and any(c.strip() for c in r)]
+    header = [c.strip().lower() for c in table[0]] if table else []
+    if "path" in header:
+        col = {name: header.index(name) for name in ("path", "label", "split") if name in header}
+        table = table[1:]
+    elif {"label", "split"} & set(header):  # a header, but the path column is misnamed
+        raise SourceError(
+            f"{path}: the header names columns {', '.join(header)} but none is 'path'; "
+            "name the column of image paths 'path'"
+        )
+    else:
+        col = {"path": 0, "label": 1}
+    rows = []
+    for r in table:
+        cell = {k: r[i].strip() for k, i in col.items() if i < len(r)}
+        rows.append((cell.get("path", ""), cell.get("label"), cell.get("split") or None))
+    return rows
+
+
+def _txt_rows(text: str) -> list[_Row]:
+    """ "path" or "path<TAB>label" (without a tab, a last blank-separated token is one)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split("\t") if "\t" in line else line.rsplit(None, 1)
+        rows.append((parts[0].strip(), parts[1].strip() if len(parts) > 1 else None, None))
+    return rows
+
+
+def _class_names(path: Path, rows: list[_Row]) -> tuple[list[str] | None, bool]:
+    """(class names, whether the labels are integers) of a list file's labels."""
     labels = [lab for _, lab, _ in rows if lab is not None and lab != ""]
     numeric = all(
         isinstance(x, int) or (isinstance(x, str) and x.lstrip("-").isdigit()) for x in labels
     )
-    names: list[str] | None
     if not labels:
-        names = None
-    elif numeric:
-        top = max(int(x) for x in labels)
-        if min(int(x) for x in labels) < 0:
-            raise SourceError(f"{path}: labels must be non-negative integers or class names")
-        names = [str(i) for i in range(top + 1)]
+        return None, numeric
+    if not numeric:
+        return sorted({str(x) for x in labels}), numeric
+    if min(int(x) for x in labels) < 0:
+        raise SourceError(f"{path}: labels must be non-negative integers or class names")
+    return [str(i) for i in range(max(int(x) for x in labels) + 1)], numeric
+
+
+def _list_file(path: Path) -> Listing:
+    """Rows of (path, optional label, optional split); paths are relative to the list's folder."""
+    text = path.read_text(encoding="utf-8-sig")
+    ext = path.suffix.lower()
+    if ext == ".jsonl":
+        rows = _jsonl_rows(path, text)
+    elif ext == ".csv":
+        rows = _csv_rows(path, text)
     else:
-        names = sorted({str(x) for x in labels})
+        rows = _txt_rows(text)
+    names, numeric = _class_names(path, rows)
     index = {n: i for i, n in enumerate(names or [])}
-    base = path.parent
     items: list[Item] = []
     errors: list[dict[str, str]] = []
     seen: set[str] = set()
@@ -286,7 +305,7 @@ def _list_file(path: Path) -> Listing:
         seen.add(rel)
         if split is not None and split.lower() not in SPLIT_FOLDERS:
             raise SourceError(f"{path}: {rel}: split {split!r} is not train/val/test")
-        full = Path(p) if Path(p).is_absolute() else base / p
+        full = Path(p) if Path(p).is_absolute() else path.parent / p
         if full.is_symlink() and not full.exists():
             errors.append(_err(rel, "dangling symlink (its target does not exist)"))
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from ssl_vit.config import Config, ConfigError
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.models import build_backbone, export_backbone, load_backbone
 from ssl_vit.models.export import record_files
-from ssl_vit.objectives import build_objective
+from ssl_vit.objectives import build_objective, objective_options
 from ssl_vit.objectives.export import META as OBJECTIVE_META
 from ssl_vit.objectives.export import WEIGHTS as OBJECTIVE_WEIGHTS
 from ssl_vit.objectives.export import save_objective
@@ -60,20 +61,17 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
         except (ValueError, TypeError) as e:  # unknown arch, kwargs timm does not take
             raise ConfigError(f"model.arch={m.arch!r} with model.kwargs={m.kwargs}: {e}") from None
         spec = ModelSpec(m.arch, kwargs, in_chans, manifest.mean, manifest.std)
-    mpp = {
+    # objective.* keys are named as the objectives' arguments: pass the ones this kind takes
+    available = {
+        **dataclasses.asdict(o),
         "patch_size": kwargs.get("patch_size"),
         "in_chans": spec.in_chans,
-        "corrupt_ratio": o.corrupt_ratio,
-        "mask_prob": o.mask_prob,
-        "random_prob": o.random_prob,
-        "target": o.target,
-        "bits": o.bits,
+        "num_classes": manifest.num_classes,
     }
-    sup = {"num_classes": manifest.num_classes, "label_smoothing": o.label_smoothing}
-    joint = {"mpp_weight": o.mpp_weight, "sup_weight": o.supervised_weight}
-    options = {"mpp": mpp, "supervised": sup, "finetune": sup, "joint": {**mpp, **sup, **joint}}
-    objective = build_objective(o.kind, backbone, mean=spec.mean, std=spec.std, **options[o.kind])
-    return objective, options[o.kind], spec
+    wanted = objective_options(o.kind)
+    options = {k: v for k, v in available.items() if k in wanted}
+    objective = build_objective(o.kind, backbone, mean=spec.mean, std=spec.std, **options)
+    return objective, options, spec
 
 
 def classifier_of(objective: nn.Module) -> nn.Module | None:

@@ -19,8 +19,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.data.manifest import atomic_write_text
 from ssl_vit.engine.distributed import all_gather_object, barrier, broadcast_object
+from ssl_vit.io import atomic_write_text
 
 STATE_NAME = "trainer_state.json"
 

@@ -14,12 +14,13 @@ from torch import nn
 
 from ssl_vit.config import Config, MonitorConfig, holdout_fraction
 from ssl_vit.data.holdout import HOLDOUT_SPLIT
-from ssl_vit.data.manifest import Manifest, atomic_write_text
+from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.stream import make_eval_loader
 from ssl_vit.engine import zero
 from ssl_vit.engine.build import ModelSpec, classifier_of
 from ssl_vit.engine.distributed import all_reduce_sum, barrier
 from ssl_vit.features import EvalBackbone, extract_features
+from ssl_vit.io import atomic_write_text
 
 log = logging.getLogger("ssl_vit.train")
 

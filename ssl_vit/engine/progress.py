@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ssl_vit.engine.distributed import all_reduce_sum
+from ssl_vit.io import atomic_write_text
 
 log = logging.getLogger("ssl_vit.train")
 
@@ -66,10 +67,10 @@ class MetricWindow:
         if not path.is_file():
             return
         keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in keep))
+        atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
 
-class Progress:
+class TrainProgress:
     """tqdm on a terminal (rank 0); plain log lines at each logging step otherwise."""
 
     def __init__(self, total: int, start: int, enabled: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from ssl_vit.config import Config, ConfigError, holdout_fraction, load_config
-from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.io import atomic_write_text
 
 log = logging.getLogger("ssl_vit.train")
 
@@ -91,27 +91,13 @@ def run_sweep(
 
     `train_fn(cfg, header)` is the trainer's `train`."""
     from ssl_vit.engine.distributed import barrier, init_distributed
-    from ssl_vit.tracking import Tracker
 
     key, values = parse_sweep(spec)
     base_cfg: Config = load_config(config_path, overrides)
     base = Path(base_cfg.run.dir)
     check_sweep(config_path, overrides, key, values)
     rank, _, _ = init_distributed()
-    parent = None
-    if rank == 0:
-        base.mkdir(parents=True, exist_ok=True)
-        id_file = base / "mlflow_run_id"
-        parent = Tracker(
-            enabled=True, experiment=base_cfg.tracking.experiment,
-            run_name=base_cfg.tracking.run_name or base.name,
-            run_id=id_file.read_text().strip() if id_file.is_file() else None,
-            tracking_uri=base_cfg.tracking.uri, spool_dir=base / "mlflow_spool",
-            tags={"ssl_vit.sweep": key}, system_metrics=False,
-        )  # fmt: skip
-        if parent.run_id and not id_file.is_file():
-            atomic_write_text(id_file, parent.run_id + "\n")
-        parent.log_params({"sweep.key": key, "sweep.values": values, "header": header})
+    parent = _open_parent(base_cfg, key, values, header) if rank == 0 else None
     runs = []
     for value in values:
         out = child_dir(base, key, value)
@@ -129,23 +115,47 @@ def run_sweep(
         runs.append({"value": value, "run_dir": str(out), "mlflow_run_id": rid, **res})
     result = choose(key, values, runs)
     if rank == 0 and parent is not None:
-        result["mlflow_run_id"] = parent.run_id
-        path = base / "results.json"
-        atomic_write_text(path, json.dumps(result, indent=2) + "\n")
-        parent.log_params({f"chosen.{key}": result["chosen"][key]})
-        for i, r in enumerate(runs):  # step = position of the value in the sweep
-            parent.log_metrics({"sweep/selection_best_top1": r["selection_best_top1"]}, step=i)
-        chosen = {"chosen/selection_best_top1": result["selection_best_top1"]}
-        if result["selected_top1"] is not None:
-            chosen["chosen/selected_top1"] = result["selected_top1"]
-        parent.log_metrics(chosen, step=0)
-        parent.log_artifact(path)
-        parent.close()
-        log.info("sweep: chose %s=%s (held-out top-1 %.4f; test top-1 %s); %s", key,
-                 result["chosen"][key], result["selection_best_top1"], result["selected_top1"],
-                 path)  # fmt: skip
+        _close_parent(parent, base / "results.json", key, result, runs)
     barrier()
     return result
+
+
+def _open_parent(base_cfg: Config, key: str, values: list, header: str):
+    """The sweep's parent MLflow run (rank 0), continued on a rerun."""
+    from ssl_vit.tracking import Tracker
+
+    base = Path(base_cfg.run.dir)
+    base.mkdir(parents=True, exist_ok=True)
+    id_file = base / "mlflow_run_id"
+    parent = Tracker(
+        enabled=True, experiment=base_cfg.tracking.experiment,
+        run_name=base_cfg.tracking.run_name or base.name,
+        run_id=id_file.read_text().strip() if id_file.is_file() else None,
+        tracking_uri=base_cfg.tracking.uri, spool_dir=base / "mlflow_spool",
+        tags={"ssl_vit.sweep": key}, system_metrics=False,
+    )  # fmt: skip
+    if parent.run_id and not id_file.is_file():
+        atomic_write_text(id_file, parent.run_id + "\n")
+    parent.log_params({"sweep.key": key, "sweep.values": values, "header": header})
+    return parent
+
+
+def _close_parent(parent, path: Path, key: str, result: dict, runs: list[dict]) -> None:
+    """results.json, the chosen value and every value's score on the parent run."""
+    result["mlflow_run_id"] = parent.run_id
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+    parent.log_params({f"chosen.{key}": result["chosen"][key]})
+    for i, r in enumerate(runs):  # step = position of the value in the sweep
+        parent.log_metrics({"sweep/selection_best_top1": r["selection_best_top1"]}, step=i)
+    chosen = {"chosen/selection_best_top1": result["selection_best_top1"]}
+    if result["selected_top1"] is not None:
+        chosen["chosen/selected_top1"] = result["selected_top1"]
+    parent.log_metrics(chosen, step=0)
+    parent.log_artifact(path)
+    parent.close()
+    log.info("sweep: chose %s=%s (held-out top-1 %.4f; test top-1 %s); %s", key,
+             result["chosen"][key], result["selection_best_top1"], result["selected_top1"],
+             path)  # fmt: skip
 
 
 def _read_text(path: Path) -> str | None:

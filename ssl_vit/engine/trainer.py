@@ -14,11 +14,13 @@ have drawn.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +28,10 @@ import deepspeed
 import torch
 
 from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, save_config
-from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.stream import TrainLoader, make_train_loader
 from ssl_vit.engine import checkpoint, zero
-from ssl_vit.engine.build import build_from_config, export_run
+from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
 from ssl_vit.engine.distributed import (
     all_reduce_sum,
     barrier,
@@ -39,17 +41,19 @@ from ssl_vit.engine.distributed import (
 )
 from ssl_vit.engine.evaluate import InTrainingEvals
 from ssl_vit.engine.optim import (
+    StepSchedule,
     deepspeed_config,
     make_optimizer,
     measure_step_seconds,
     resolve_precision,
 )
 from ssl_vit.engine.preflight import check_data
-from ssl_vit.engine.progress import MetricWindow, Progress, write_loss_plot
+from ssl_vit.engine.progress import MetricWindow, TrainProgress, write_loss_plot
+from ssl_vit.io import atomic_write_text
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
 from ssl_vit.tracking import Tracker
-from ssl_vit.tracking.nesting import PARENT_TAG
 from ssl_vit.tracking.registry import headline_metrics, register_export
+from ssl_vit.tracking.store import PARENT_TAG
 
 log = logging.getLogger("ssl_vit.train")
 
@@ -68,12 +72,7 @@ class Counters:
     skipped_total: int = 0  # optimizer steps not applied (non-finite loss or fp16 overflow)
 
     def state(self) -> dict:
-        return {
-            "step": self.step,
-            "nonfinite_in_row": self.nonfinite_in_row,
-            "nonfinite_total": self.nonfinite_total,
-            "skipped_total": self.skipped_total,
-        }
+        return dataclasses.asdict(self)
 
 
 def _check_run_dir(run_dir: Path, cfg: Config) -> None:
@@ -273,22 +272,50 @@ def _resume_state(engine, ckpt_dir: Path, cfg: Config, world: int, loader: Train
     return state
 
 
-def train(cfg: Config, header: str = "") -> Path:
-    """Train as `cfg` says (pretraining or fine-tuning); returns the export folder.
+@dataclass
+class _Setup:
+    """What one rank trains with: the run directory, the engine and the data stream."""
 
-    Every rank calls this."""
+    cfg: Config
+    rank: int
+    world: int
+    micro: int
+    run_dir: Path
+    manifest: Manifest
+    spec: ModelSpec
+    objective_options: dict
+    precision: str
+    cpu_autocast: bool
+    loader: TrainLoader
+    total_steps: int
+    flops_per_step: float  # model FLOPs of one optimizer step (rank 0; 0 elsewhere)
+    engine: deepspeed.DeepSpeedEngine
+    optimizer: torch.optim.Optimizer
+    schedule: StepSchedule
+    derived: dict  # values resolved for this launch, logged as params
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def export(self, out: Path, extra: dict) -> None:
+        """Every rank calls this (ZeRO gathers); rank 0 writes."""
+        module, kind = self.engine.module, self.cfg.objective.kind
+        export_run(module, self.spec, kind, self.objective_options, out, extra, self.rank)
+
+
+def _setup(cfg: Config, header: str) -> _Setup:
+    """Process group, run directory, model (FLOPs counted before any wrapping), data stream,
+    DeepSpeed engine."""
     rank, local_rank, world = init_distributed()
     _, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
     manifest, _, _ = check_data(cfg, world)
     run_dir = _prepare_run_dir(cfg, rank, header)
-    ckpt_dir = run_dir / "checkpoints"
-
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     objective, objective_options, spec = build_from_config(cfg, manifest)
     timer = _step_timer(objective, spec.in_chans, cfg.model.img_size, micro)
     precision = _run_precision(cfg, run_dir, rank, timer)
-    cpu_autocast = device.type == "cpu" and precision == "bf16"
     loader = make_train_loader(
         cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
         world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
@@ -296,16 +323,13 @@ def train(cfg: Config, header: str = "") -> Path:
         hflip=cfg.data.hflip, missing=cfg.data.missing_shards,
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
     )  # fmt: skip
-    steps_per_epoch = loader.steps_per_epoch  # of the shards actually read
-    total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
-    flops_per_step = 0.0
+    total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * loader.steps_per_epoch)
+    flops = 0.0
     if rank == 0:
-        flops_per_step = _flops_per_step(objective, cfg, spec.in_chans, cfg.train.global_batch)
-
+        flops = _flops_per_step(objective, cfg, spec.in_chans, cfg.train.global_batch)
     optimizer, schedule = make_optimizer(objective, cfg, total_steps)
-    ds_config = deepspeed_config(
-        cfg, world, micro, accum, precision if device.type == "cuda" else "fp32"
-    )
+    ds_precision = precision if device.type == "cuda" else "fp32"
+    ds_config = deepspeed_config(cfg, world, micro, accum, ds_precision)
     if rank == 0:
         atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
     if ds_config["zero_optimization"]["stage"] == 3:
@@ -313,81 +337,111 @@ def train(cfg: Config, header: str = "") -> Path:
     engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
     if cfg.train.compile and device.type == "cuda":
         engine.compile()
-
-    state = _resume_state(engine, ckpt_dir, cfg, world, loader)
-    n = Counters(**{k: int(state.get(k, 0)) for k in Counters().state()})
-    loader.set_epoch(n.step // steps_per_epoch, n.step % steps_per_epoch)
-    schedule.set(n.step)
+    cpu_autocast = device.type == "cpu" and precision == "bf16"
     derived = {"world_size": world, "accum": accum, "micro": micro, "precision": precision}
-    tracker = _open_tracker(cfg, run_dir, rank, n.step == 0, derived, spec.source_run_id)
-    peak = 0.0
-    if rank == 0:  # the matmul peak, now, at the training precision: the MFU denominator
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        peak = measure_matmul_peak(dtype, device, n=4096 if device.type == "cuda" else 1024)
-
-    window = MetricWindow(device, cfg.train.global_batch)
-    metrics_file = run_dir / "metrics.jsonl"
-    if rank == 0:
-        window.truncate_file(metrics_file, n.step)  # drop lines past the checkpoint we resumed
-    progress = Progress(total_steps, n.step, enabled=rank == 0)
-    evals = InTrainingEvals(
-        cfg, manifest, spec, rank, world, steps_per_epoch, total_steps, cpu_autocast, state,
-        export=lambda out, extra: export_run(
-            engine.module, spec, cfg.objective.kind, objective_options, out, extra, rank
-        ),
+    return _Setup(
+        cfg, rank, world, micro, run_dir, manifest, spec, objective_options, precision,
+        cpu_autocast, loader, total_steps, flops, engine, optimizer, schedule, derived,
     )  # fmt: skip
 
-    with tracker:  # ends the MLflow run as FAILED (or KILLED) if training raises
+
+class _StepLog:
+    """Metric lines of the logging steps: averaged over ranks, then MLflow and metrics.jsonl
+    (rank 0). The matmul peak, the MFU denominator, is measured once here, at start."""
+
+    def __init__(self, s: _Setup, tracker: Tracker, start_step: int) -> None:
+        self.s, self.tracker, self.peak = s, tracker, 0.0
+        self.file = s.run_dir / "metrics.jsonl"
+        device = s.engine.device
+        if s.rank == 0:  # at the training precision
+            dtype = torch.bfloat16 if s.precision == "bf16" else torch.float32
+            self.peak = measure_matmul_peak(
+                dtype, device, n=4096 if device.type == "cuda" else 1024
+            )
+        self.window = MetricWindow(device, s.cfg.train.global_batch)
+        if s.rank == 0:
+            self.window.truncate_file(self.file, start_step)  # lines past the resumed checkpoint
+
+    def write(self, n: Counters, grad_norm: float) -> dict[str, float]:
+        s = self.s
+        extra = {
+            "lr": s.schedule.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "epoch": n.step / s.loader.steps_per_epoch,
+            "samples_seen": n.step * s.cfg.train.global_batch,
+            "nonfinite_steps": n.nonfinite_total,
+            "skipped_steps": n.skipped_total,
+            "skipped_samples": s.loader.num_skipped,
+        }
+        row = self.window.flush(extra, s.flops_per_step, self.peak, s.world)
+        if s.rank == 0:
+            _save_run_id(self.tracker, s.run_dir / "mlflow_run_id")
+            self.tracker.log_metrics(row, step=n.step)
+            with open(self.file, "a") as f:
+                f.write(json.dumps({"step": n.step, **row}) + "\n")
+        return row
+
+
+def _batches(loader: TrainLoader, n: Counters, total_steps: int) -> Iterator[tuple]:
+    """(images, labels, seconds waited for them) until `total_steps`, epoch after epoch; the
+    caller advances `n.step`."""
+    while n.step < total_steps:
+        batches = iter(loader)
         while n.step < total_steps:
-            batches = iter(loader)
-            while n.step < total_steps:
-                t0 = time.perf_counter()
-                images, labels = next(batches, (None, None))
-                if images is None:
-                    break
-                t_data = time.perf_counter() - t0
-                torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + n.step)
-                log_now = _is_log_step(n.step + 1, cfg.run.log_every, total_steps)
-                finite, applied, grad_norm = _train_step(
-                    engine, optimizer, images, labels, micro, cpu_autocast, window, log_now
-                )
-                n.step += 1
-                schedule.set(n.step)
-                _count_step(n, finite, applied, cfg.run.max_nonfinite_steps, ckpt_dir)
-                window.end_step(t_data)
-                row = None
-                if log_now:
-                    extra = {
-                        "lr": schedule.get_last_lr()[0],
-                        "grad_norm": grad_norm,
-                        "epoch": n.step / steps_per_epoch,
-                        "samples_seen": n.step * cfg.train.global_batch,
-                        "nonfinite_steps": n.nonfinite_total,
-                        "skipped_steps": n.skipped_total,
-                        "skipped_samples": loader.num_skipped,
-                    }
-                    row = window.flush(extra, flops_per_step, peak, world)
-                    if rank == 0:
-                        _save_run_id(tracker, run_dir / "mlflow_run_id")
-                        tracker.log_metrics(row, step=n.step)
-                        with open(metrics_file, "a") as f:
-                            f.write(json.dumps({"step": n.step, **row}) + "\n")
-                progress.update(n.step, row)
-                evals.maybe_run(engine.module, n.step, tracker)
-                if n.step % cfg.run.checkpoint_every == 0 or n.step == total_steps:
-                    train_state = {
-                        **n.state(),
-                        "world_size": world,
-                        "num_workers": cfg.data.num_workers,
-                        "steps_per_epoch": steps_per_epoch,
-                        **evals.state(),
-                    }
-                    checkpoint.save(
-                        engine, ckpt_dir, n.step, train_state, rank, cfg.run.keep_checkpoints
-                    )
-            loader.set_epoch(n.step // steps_per_epoch)
+            t0 = time.perf_counter()
+            images, labels = next(batches, (None, None))
+            if images is None:
+                break
+            yield images, labels, time.perf_counter() - t0
+        loader.set_epoch(n.step // loader.steps_per_epoch)
+
+
+def _save_checkpoint(s: _Setup, n: Counters, evals: InTrainingEvals) -> None:
+    state = {
+        **n.state(),
+        "world_size": s.world,
+        "num_workers": s.cfg.data.num_workers,
+        "steps_per_epoch": s.loader.steps_per_epoch,
+        **evals.state(),
+    }
+    checkpoint.save(s.engine, s.ckpt_dir, n.step, state, s.rank, s.cfg.run.keep_checkpoints)
+
+
+def train(cfg: Config, header: str = "") -> Path:
+    """Train as `cfg` says (pretraining or fine-tuning); returns the export folder.
+
+    Every rank calls this."""
+    s = _setup(cfg, header)
+    state = _resume_state(s.engine, s.ckpt_dir, cfg, s.world, s.loader)
+    n = Counters(**{k: int(state.get(k, 0)) for k in Counters().state()})
+    s.loader.set_epoch(n.step // s.loader.steps_per_epoch, n.step % s.loader.steps_per_epoch)
+    s.schedule.set(n.step)
+    tracker = _open_tracker(cfg, s.run_dir, s.rank, n.step == 0, s.derived, s.spec.source_run_id)
+    step_log = _StepLog(s, tracker, n.step)
+    progress = TrainProgress(s.total_steps, n.step, enabled=s.rank == 0)
+    evals = InTrainingEvals(
+        cfg, s.manifest, s.spec, s.rank, s.world, s.loader.steps_per_epoch,
+        s.total_steps, s.cpu_autocast, state, export=s.export,
+    )  # fmt: skip
+    with tracker:  # ends the MLflow run as FAILED (or KILLED) if training raises
+        for images, labels, t_data in _batches(s.loader, n, s.total_steps):
+            torch.manual_seed(cfg.run.seed * 1_000_003 + s.rank * 7_919 + n.step)
+            log_now = _is_log_step(n.step + 1, cfg.run.log_every, s.total_steps)
+            finite, applied, grad_norm = _train_step(
+                s.engine, s.optimizer, images, labels, s.micro, s.cpu_autocast,
+                step_log.window, log_now,
+            )  # fmt: skip
+            n.step += 1
+            s.schedule.set(n.step)
+            _count_step(n, finite, applied, cfg.run.max_nonfinite_steps, s.ckpt_dir)
+            step_log.window.end_step(t_data)
+            row = step_log.write(n, grad_norm) if log_now else None
+            progress.update(n.step, row)
+            evals.maybe_run(s.engine.module, n.step, tracker)
+            if n.step % cfg.run.checkpoint_every == 0 or n.step == s.total_steps:
+                _save_checkpoint(s, n, evals)
         progress.close()
-        export_dir = _finish(cfg, engine, spec, objective_options, run_dir, tracker, evals, n, rank)
+        export_dir = _finish(s, tracker, evals, n)
     barrier()
     sys.stdout.flush()
     return export_dir
@@ -405,12 +459,15 @@ def _count_step(n: Counters, finite: bool, applied: bool, max_in_row: int, ckpt_
         )
 
 
-def _finish(cfg, engine, spec, objective_options, run_dir, tracker, evals, n, rank) -> Path:
+def _finish(s: _Setup, tracker: Tracker, evals: InTrainingEvals, n: Counters) -> Path:
     """Export the backbone (every rank: ZeRO gathers), then plot and log (rank 0)."""
+    cfg, run_dir = s.cfg, s.run_dir
     export_dir = run_dir / "export"
-    extra = {"mlflow_run_id": tracker.run_id, "step": n.step, "objective": cfg.objective.kind}
-    export_run(engine.module, spec, cfg.objective.kind, objective_options, export_dir, extra, rank)
-    if rank == 0:
+    s.export(
+        export_dir,
+        {"mlflow_run_id": tracker.run_id, "step": n.step, "objective": cfg.objective.kind},
+    )
+    if s.rank == 0:
         plot = write_loss_plot(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
         tracker.log_artifact(export_dir, artifact_path="export")
         if plot is not None:

@@ -16,6 +16,7 @@ ridge (see `loo_predictions`); the test split is only scored.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -128,6 +129,43 @@ def fewshot_accuracy(
     return float((pred == test_y).mean())
 
 
+@dataclass
+class _Draws:
+    """One shot count over every seed: accuracy, ridge strength, alpha, LOO accuracy."""
+
+    accs: list[float] = field(default_factory=list)
+    l2s: list[float] = field(default_factory=list)
+    alphas: list[float] = field(default_factory=list)
+    loo_accs: list[float] = field(default_factory=list)
+
+
+def _draw_and_score(
+    data: tuple[np.ndarray, ...], n: int, seeds: int, l2: float | None, alphas, carried
+) -> _Draws:
+    """Draw n shots per class `seeds` times; fit each draw with the l2 chosen for it."""
+    train_x, train_y, test_x, test_y, num_classes = data
+    loo_ok = min(n, int(np.bincount(train_y, minlength=num_classes).min())) >= 2
+    d = _Draws()
+    for seed in range(seeds):
+        idx = sample_shots(train_y, n, np.random.default_rng(seed))
+        x, _, _ = _standardise(train_x[idx])
+        if l2 is not None:
+            chosen = l2
+        elif loo_ok:
+            chosen, alpha, loo_acc = select_l2(x, train_y[idx], num_classes, alphas)
+            d.alphas.append(alpha)
+            d.loo_accs.append(loo_acc)
+        else:
+            alpha = carried[0] if carried else DEFAULT_ALPHA
+            d.alphas.append(alpha)
+            chosen = alpha * float(((x - x.mean(0)) ** 2).sum())
+        d.l2s.append(chosen)
+        d.accs.append(
+            fewshot_accuracy(train_x[idx], train_y[idx], test_x, test_y, num_classes, chosen)
+        )
+    return d
+
+
 def fewshot_eval(
     train_features: np.ndarray,
     train_labels: np.ndarray,
@@ -151,58 +189,34 @@ def fewshot_eval(
     if (train_labels < 0).any() or (test_labels < 0).any():
         raise ValueError("few-shot needs labelled train and test splits (found label -1)")
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+    data = (train_features, train_labels, test_features, test_labels, num_classes)
     out: dict[str, Any] = {"l2_selection": "fixed" if l2 is not None else "loo", "seeds": seeds}
-    if l2 is not None:
-        out["l2"] = l2
-    else:
-        out["alpha_grid"] = list(alphas)
+    out.update({"l2": l2} if l2 is not None else {"alpha_grid": list(alphas)})
     shots = tuple(dict.fromkeys(shots))
     min_count = int(np.bincount(train_labels, minlength=num_classes).min())
     # Shot counts LOO can judge first, so 1-shot can borrow their choice.
     order = sorted(shots, key=lambda n: (min(n, min_count) < 2, n))
     carried: tuple[float, int] | None = None  # (alpha, shots) from the first LOO-judged count
     for n in order:
-        accs, l2s, alphas_used, loo_accs = [], [], [], []
-        loo_ok = min(n, min_count) >= 2
-        for seed in range(seeds):
-            rng = np.random.default_rng(seed)
-            idx = sample_shots(train_labels, n, rng)
-            x, _, _ = _standardise(train_features[idx])
-            if l2 is not None:
-                chosen = l2
-            elif loo_ok:
-                chosen, alpha, loo_acc = select_l2(x, train_labels[idx], num_classes, alphas)
-                alphas_used.append(alpha)
-                loo_accs.append(loo_acc)
-            else:
-                alpha = carried[0] if carried else DEFAULT_ALPHA
-                alphas_used.append(alpha)
-                chosen = alpha * float(((x - x.mean(0)) ** 2).sum())
-            l2s.append(chosen)
-            accs.append(
-                fewshot_accuracy(
-                    train_features[idx], train_labels[idx], test_features, test_labels,
-                    num_classes, chosen,
-                )
-            )  # fmt: skip
-        out[f"fewshot_{n}shot_mean"] = float(np.mean(accs))
-        out[f"fewshot_{n}shot_std"] = float(np.std(accs))
-        out[f"fewshot_{n}shot_all"] = [float(a) for a in accs]
-        if l2 is None:
-            out[f"ridge_l2@{n}shot"] = float(np.median(l2s))  # scalar: logged to MLflow
-            out[f"fewshot_{n}shot_l2_all"] = [float(v) for v in l2s]
-            out[f"fewshot_{n}shot_alpha_all"] = [float(a) for a in alphas_used]
-            if loo_ok:
-                out[f"fewshot_{n}shot_loo_acc_all"] = loo_accs
-                out[f"fewshot_{n}shot_l2_source"] = "leave-one-out on the drawn examples"
-                if carried is None:
-                    carried = (float(np.median(alphas_used)), n)
-            else:
-                out[f"fewshot_{n}shot_l2_source"] = (
-                    f"median alpha chosen at {carried[1]}-shot (LOO undefined at 1 per class)"
-                    if carried
-                    else f"default alpha {DEFAULT_ALPHA} (LOO undefined at 1 per class)"
-                )
+        d = _draw_and_score(data, n, seeds, l2, alphas, carried)
+        out[f"fewshot_{n}shot_mean"] = float(np.mean(d.accs))
+        out[f"fewshot_{n}shot_std"] = float(np.std(d.accs))
+        out[f"fewshot_{n}shot_all"] = [float(a) for a in d.accs]
+        if l2 is not None:
+            continue
+        out[f"ridge_l2@{n}shot"] = float(np.median(d.l2s))  # scalar: logged to MLflow
+        out[f"fewshot_{n}shot_l2_all"] = [float(v) for v in d.l2s]
+        out[f"fewshot_{n}shot_alpha_all"] = [float(a) for a in d.alphas]
+        if min(n, min_count) >= 2:
+            out[f"fewshot_{n}shot_loo_acc_all"] = d.loo_accs
+            out[f"fewshot_{n}shot_l2_source"] = "leave-one-out on the drawn examples"
+            carried = carried or (float(np.median(d.alphas)), n)
+        else:
+            out[f"fewshot_{n}shot_l2_source"] = (
+                f"median alpha chosen at {carried[1]}-shot (LOO undefined at 1 per class)"
+                if carried
+                else f"default alpha {DEFAULT_ALPHA} (LOO undefined at 1 per class)"
+            )
     # Report in the order asked for.
     keys = [
         k for n in shots for k in out if k.startswith((f"fewshot_{n}shot_", f"ridge_l2@{n}shot"))

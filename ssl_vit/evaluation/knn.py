@@ -128,6 +128,7 @@ def knn_vote(
 
 
 def topk_accuracy(scores: torch.Tensor, labels: np.ndarray | torch.Tensor, k: int) -> float:
+    """Share of rows whose label is among their k highest scores (all of them when k >= K)."""
     k = min(k, scores.shape[1])
     top = scores.topk(k, dim=1).indices  # (Q, k)
     return (top == torch.as_tensor(labels).long()[:, None]).any(dim=1).double().mean().item()

@@ -19,7 +19,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.optim import Lars
 from tqdm.auto import tqdm
+
+from ssl_vit.evaluation.knn import topk_accuracy
 
 DEFAULT_L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 DEFAULT_LR_GRID = (1e-3, 1e-2)
@@ -31,10 +34,8 @@ def _standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tenso
 
 
 def topk_accuracies(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    k = min(5, logits.shape[1])
-    top = logits.topk(k, dim=1).indices  # (N, k)
-    hit = top == labels[:, None]
-    return hit[:, 0].float().mean().item(), hit.any(1).float().mean().item()
+    """(top-1, top-5) accuracy of class scores (N, K)."""
+    return topk_accuracy(logits, labels, 1), topk_accuracy(logits, labels, 5)
 
 
 def fit_lbfgs(
@@ -92,6 +93,17 @@ def fit_adamw(
     return head
 
 
+def _sweep(fit, grid: list, train: tuple, val: tuple) -> list[dict[str, float]]:
+    """Validation top-1 of a head fitted on `train` for every (l2, lr) of `grid`."""
+    sweep = []
+    for l2, lr in tqdm(grid, desc="probe sweep", disable=None):
+        head = fit(*train, l2, lr)
+        with torch.no_grad():
+            top1, _ = topk_accuracies(head(val[0]), val[1])
+        sweep.append({"l2": l2, "lr": lr, "val_top1": top1})
+    return sweep
+
+
 def linear_probe_eval(
     train_features: np.ndarray,
     train_labels: np.ndarray,
@@ -130,12 +142,7 @@ def linear_probe_eval(
         return fit_adamw(xf, yf, num_classes, l2, lr, epochs, batch_size, seed)
 
     grid = [(l2, lr) for l2 in l2_grid for lr in (lr_grid if solver == "adamw" else (0.0,))]
-    sweep: list[dict[str, float]] = []
-    for l2, lr in tqdm(grid, desc="probe sweep", disable=None):
-        head = fit(xtr, y[tr], l2, lr)
-        with torch.no_grad():
-            top1, _ = topk_accuracies(head(xva), y[va])
-        sweep.append({"l2": l2, "lr": lr, "val_top1": top1})
+    sweep = _sweep(fit, grid, (xtr, y[tr]), (xva, y[va]))
     best = max(sweep, key=lambda r: (r["val_top1"], r["l2"]))  # ties: the stronger penalty
 
     xs, xts = _standardize(x, xt)
@@ -157,40 +164,16 @@ def linear_probe_eval(
     return out
 
 
-class LARS(torch.optim.Optimizer):
-    """SGD with momentum and a layer-wise trust ratio (You et al. 2017), as MAE's probe uses.
-
-    1-D parameters (biases, norms) get neither weight decay nor the trust ratio.
-    """
-
-    def __init__(
-        self,
-        params,
-        lr: float,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        trust_coefficient: float = 0.001,
-    ) -> None:
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=trust_coefficient)
-        super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d = p.grad
-                if p.ndim > 1:
-                    d = d.add(p, alpha=group["weight_decay"])
-                    pn, dn = torch.norm(p), torch.norm(d)
-                    ratio = torch.where(
-                        (pn > 0) & (dn > 0), group["eta"] * pn / dn, torch.ones_like(pn)
-                    )
-                    d = d.mul(ratio)
-                buf = self.state[p].setdefault("mu", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(d)
-                p.add_(buf, alpha=-group["lr"])
+def lars(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9 and a layer-wise trust ratio (You et al. 2017), as MAE's probe:
+    the ratio 0.001 |w| / |g| on weight matrices only (biases and norms get plain SGD), no
+    weight decay. timm's Lars with eps=0 computes exactly that."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim > 1], "always_adapt": True},
+        {"params": [p for p in params if p.ndim <= 1], "always_adapt": False},
+    ]
+    return Lars(groups, lr=lr, momentum=0.9, trust_coeff=0.001, eps=0.0)
 
 
 def mae_probe_eval(
@@ -216,7 +199,7 @@ def mae_probe_eval(
     nn.init.trunc_normal_(model[1].weight, std=0.01)  # MAE's head init
     nn.init.zeros_(model[1].bias)
     lr = base_lr * batch_size / 256
-    opt = LARS(model.parameters(), lr=lr)
+    opt = lars(model, lr)
     steps_per_epoch = math.ceil(len(x) / batch_size)
     total, warm = epochs * steps_per_epoch, warmup_epochs * steps_per_epoch
     g = torch.Generator().manual_seed(seed)

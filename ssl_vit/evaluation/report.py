@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.data.manifest import atomic_write_text
-from ssl_vit.tracking.nesting import parent_experiment, parent_from_env
+from ssl_vit.io import atomic_write_text
+from ssl_vit.tracking.nesting import parent_from_env
+from ssl_vit.tracking.store import PARENT_TAG
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 EVAL_EXPERIMENT = "ssl-vit-evals"
 
 
@@ -84,35 +84,30 @@ def log_to_mlflow(
     results_path: str | os.PathLike | None = None,
     tracking_uri: str | None = None,
 ) -> str | None:
-    """Log one eval as an MLflow run; returns its id, or None if tracking failed."""
-    try:
-        from mlflow.tracking import MlflowClient
+    """Log one eval as an MLflow run through the trainer's `Tracker` (one MLflow path: same
+    default store, param handling, and a spool when the store is down); returns its id, or None
+    if the store could not be reached."""
+    from ssl_vit.tracking import Tracker
 
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-        client = MlflowClient(uri)
-        experiment_id = None
-        tags = {"ssl_vit.eval": eval_name}
-        if parent_run_id:
-            tags["pretrain_run_id"] = parent_run_id
-        # Nest under the study's parent run when a study started us, else the pretraining run.
-        nest_under = parent_from_env() or parent_run_id
-        if nest_under:
-            experiment_id = parent_experiment(client, nest_under)
-            if experiment_id is not None:  # else: not in this store, keep the tag, skip nesting
-                tags["mlflow.parentRunId"] = nest_under
-        if experiment_id is None:
-            exp = client.get_experiment_by_name(EVAL_EXPERIMENT)
-            experiment_id = exp.experiment_id if exp else client.create_experiment(EVAL_EXPERIMENT)
-        run = client.create_run(experiment_id, tags=tags, run_name=eval_name)
-        rid = run.info.run_id
-        for k, v in params.items():
-            client.log_param(rid, k, str(v)[:500])
-        for k, v in numeric_metrics(metrics).items():
-            client.log_metric(rid, _metric_key(k), v)
-        if results_path is not None:
-            client.log_artifact(rid, str(results_path))
-        client.set_terminated(rid)
-        return rid
+    tags = {"ssl_vit.eval": eval_name}
+    if parent_run_id:
+        tags["pretrain_run_id"] = parent_run_id
+    # Nest under the study's parent run when a study started us, else the pretraining run;
+    # a parent that is not in this store keeps the tag only (no nesting).
+    nest_under = parent_from_env() or parent_run_id
+    if nest_under:
+        tags[PARENT_TAG] = nest_under
+    spool = Path(results_path).parent if results_path else Path(".")
+    try:
+        with Tracker(
+            enabled=True, experiment=EVAL_EXPERIMENT, run_name=eval_name, tags=tags,
+            tracking_uri=tracking_uri, spool_dir=spool / "mlflow_spool", system_metrics=False,
+        ) as tracker:  # fmt: skip
+            tracker.log_params(params)
+            tracker.log_metrics({_metric_key(k): v for k, v in numeric_metrics(metrics).items()}, 0)
+            if results_path is not None:
+                tracker.log_artifact(results_path)
+        return tracker.run_id
     except Exception as e:  # tracking must never lose an eval's result
         print(f"warning: MLflow logging failed ({type(e).__name__}: {e})", file=sys.stderr)
         return None

@@ -11,51 +11,29 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ssl_vit.data.manifest import atomic_write_text
 from ssl_vit.inspect import plots
 from ssl_vit.inspect.analyses import (
-    AttentionStats,
-    attention_rollout,
     attention_statistics,
-    class_rollout_maps,
     embedding_filter_components,
-    mean_attention_distance,
     mean_pairwise_grid_distance,
     mpp_mean_colours,
-    patch_distances,
     patch_grid,
     patch_pixels,
     patch_position_embeddings,
     position_similarity,
 )
-from ssl_vit.inspect.attention import AttentionRecorder, attention_from_qkv, record_attention
+from ssl_vit.io import atomic_write_text
 from ssl_vit.models import backbone_kind
+from ssl_vit.recipe import CorruptionKind
 
-__all__ = [
-    "AttentionRecorder",
-    "AttentionStats",
-    "attention_from_qkv",
-    "attention_rollout",
-    "attention_statistics",
-    "class_rollout_maps",
-    "embedding_filter_components",
-    "inspect_model",
-    "mean_attention_distance",
-    "mean_pairwise_grid_distance",
-    "mpp_mean_colours",
-    "patch_distances",
-    "patch_grid",
-    "patch_pixels",
-    "patch_position_embeddings",
-    "position_similarity",
-    "record_attention",
-]
+__all__ = ["inspect_model"]  # the analyses: ssl_vit.inspect.analyses, .attention; figures: .plots
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +46,93 @@ def _patch_projection_weight(model: nn.Module) -> torch.Tensor | None:
     return (
         w if (w is not None and w.dim() == 4 and getattr(embed, "backbone", None) is None) else None
     )
+
+
+@dataclass
+class _Inspection:
+    """What every analysis reads, and the summary and PNG paths they add to."""
+
+    model: nn.Module
+    images01: torch.Tensor  # (N, C, H, W) in [0, 1], on the CPU
+    out: Path
+    prefix: str  # figure title prefix
+    device: torch.device
+    summary: dict[str, Any]
+    pngs: dict[str, str]
+
+    def save(self, key: str, fig: Any, name: str) -> None:
+        self.pngs[key] = str(plots.save_figure(fig, self.out / name))
+
+
+def _embedding_filters(ins: _Inspection, num_filters: int) -> None:
+    weight = _patch_projection_weight(ins.model)
+    if weight is None:
+        log.info("no pixel patch projection (hybrid backbone): skipping embedding filters")
+        return
+    comps, ratio = embedding_filter_components(weight, num_filters)
+    ins.save("filters", plots.plot_embedding_filters(comps, ratio, title=ins.prefix),
+             "embedding_filters.png")  # fmt: skip
+    ins.summary["filter_variance_ratio"] = [round(float(r), 5) for r in ratio]
+
+
+def _position_similarity(ins: _Inspection) -> None:
+    if getattr(ins.model, "pos_embed", None) is None:
+        return
+    sim = position_similarity(patch_position_embeddings(ins.model), patch_grid(ins.model))
+    ins.save("position", plots.plot_position_similarity(sim, title=ins.prefix),
+             "position_similarity.png")  # fmt: skip
+
+
+def _attention(ins: _Inspection, mean, std, batch_size: int, num_show: int) -> None:
+    """Mean attention distance per head and depth, and attention rollout (ViTs only)."""
+    kind = backbone_kind(ins.model)
+    if kind != "vit":
+        log.info("%s backbone has no attention: skipping distance and rollout", kind)
+        return
+    images = ins.images01
+    m = torch.tensor(mean, dtype=torch.float32, device=ins.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device=ins.device).view(1, -1, 1, 1)
+
+    def batches():
+        for i in range(0, images.shape[0], batch_size):
+            j = min(i + batch_size, images.shape[0])
+            log.info("attention: images %d-%d of %d", i, j, images.shape[0])
+            yield (images[i : i + batch_size].to(ins.device).float() - m) / s
+
+    stats = attention_statistics(ins.model, batches(), num_rollout=num_show)
+    uniform = mean_pairwise_grid_distance(patch_grid(ins.model), patch_pixels(ins.model))
+    H, W = images.shape[-2:]
+    fig = plots.plot_attention_distance(
+        stats.distance, uniform=uniform, max_distance=float((H**2 + W**2) ** 0.5),
+        num_images=stats.num_images, title=ins.prefix,
+    )  # fmt: skip
+    ins.save("distance", fig, "attention_distance.png")
+    ins.summary["mean_attention_distance_px"] = stats.distance.tolist()  # (L, H)
+    ins.summary["uniform_attention_distance_px"] = uniform
+    if stats.rollout.shape[0]:
+        fig = plots.plot_rollout(images[:num_show], stats.rollout, title=ins.prefix)
+        ins.save("rollout", fig, "attention_rollout.png")
+
+
+def _mpp_predictions(ins: _Inspection, mpp: nn.Module, num_mpp: int, seed: int) -> None:
+    """What MPP predicts for the patches it could not see (sec. 4.6)."""
+    mpp.eval()
+    gen = torch.Generator(device=ins.device).manual_seed(seed)
+    pred = mpp.predict(ins.images01[:num_mpp].to(ins.device).float(), generator=gen)
+    if pred.target_kind != "mean_color":
+        log.info("MPP target %s has no single colour per patch: no panel", pred.target_kind)
+        return
+    pos, kinds, pc, tc = mpp_mean_colours(pred)
+    fig = plots.plot_mpp_predictions(
+        ins.images01[: pos.shape[0]], pos, kinds, pc, tc, patch=patch_pixels(ins.model),
+        title=ins.prefix,
+    )  # fmt: skip
+    ins.save("mpp", fig, "mpp_predictions.png")
+    hit = (pred.pred == pred.target).float()  # (S, M)
+    ins.summary["mpp_shown_accuracy"] = {
+        k.key: float(hit[pred.kinds == k].mean()) if bool((pred.kinds == k).any()) else None
+        for k in CorruptionKind
+    }
 
 
 @torch.no_grad()
@@ -94,74 +159,17 @@ def inspect_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
-    device = next(model.parameters()).device
-    kind = backbone_kind(model)
-    grid, patch = patch_grid(model), patch_pixels(model)
-    m = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    summary: dict[str, Any] = {"num_images": int(images01.shape[0]), "grid": list(grid)}
-    pngs: dict[str, str] = {}
-    prefix = f"{title}: " if title else ""
-
-    weight = _patch_projection_weight(model)
-    if weight is not None:
-        comps, ratio = embedding_filter_components(weight, num_filters)
-        fig = plots.plot_embedding_filters(comps, ratio, title=prefix)
-        pngs["filters"] = str(plots.save_figure(fig, out / "embedding_filters.png"))
-        summary["filter_variance_ratio"] = [round(float(r), 5) for r in ratio]
-    else:
-        log.info("no pixel patch projection (hybrid backbone): skipping embedding filters")
-
-    if getattr(model, "pos_embed", None) is not None:
-        sim = position_similarity(patch_position_embeddings(model), grid)
-        fig = plots.plot_position_similarity(sim, title=prefix)
-        pngs["position"] = str(plots.save_figure(fig, out / "position_similarity.png"))
-
-    if kind == "vit":
-
-        def batches():
-            for i in range(0, images01.shape[0], batch_size):
-                j = min(i + batch_size, images01.shape[0])
-                log.info("attention: images %d-%d of %d", i, j, images01.shape[0])
-                yield (images01[i : i + batch_size].to(device).float() - m) / s
-
-        stats = attention_statistics(model, batches(), num_rollout=num_show)
-        uniform = mean_pairwise_grid_distance(grid, patch)
-        H, W = images01.shape[-2:]
-        fig = plots.plot_attention_distance(
-            stats.distance,
-            uniform=uniform,
-            max_distance=float((H**2 + W**2) ** 0.5),
-            num_images=stats.num_images,
-            title=prefix,
-        )
-        pngs["distance"] = str(plots.save_figure(fig, out / "attention_distance.png"))
-        summary["mean_attention_distance_px"] = stats.distance.tolist()  # (L, H)
-        summary["uniform_attention_distance_px"] = uniform
-        if stats.rollout.shape[0]:
-            fig = plots.plot_rollout(images01[:num_show], stats.rollout, title=prefix)
-            pngs["rollout"] = str(plots.save_figure(fig, out / "attention_rollout.png"))
-    else:
-        log.info("%s backbone has no attention: skipping distance and rollout", kind)
-
+    summary: dict[str, Any] = {
+        "num_images": int(images01.shape[0]),
+        "grid": list(patch_grid(model)),
+    }
+    ins = _Inspection(model, images01, out, f"{title}: " if title else "",
+                      next(model.parameters()).device, summary, {})  # fmt: skip
+    _embedding_filters(ins, num_filters)
+    _position_similarity(ins)
+    _attention(ins, mean, std, batch_size, num_show)
     if mpp is not None:
-        mpp.eval()
-        gen = torch.Generator(device=device).manual_seed(seed)
-        pred = mpp.predict(images01[:num_mpp].to(device).float(), generator=gen)
-        if pred.target_kind == "mean_color":
-            pos, kinds, pc, tc = mpp_mean_colours(pred)
-            fig = plots.plot_mpp_predictions(
-                images01[: pos.shape[0]], pos, kinds, pc, tc, patch=patch, title=prefix
-            )
-            pngs["mpp"] = str(plots.save_figure(fig, out / "mpp_predictions.png"))
-            hit = (pred.pred == pred.target).float()  # (S, M)
-            summary["mpp_shown_accuracy"] = {
-                name: float(hit[pred.kinds == k].mean()) if bool((pred.kinds == k).any()) else None
-                for k, name in ((0, "mask"), (1, "random"), (2, "kept"))
-            }
-        else:
-            log.info("MPP target %s has no single colour per patch: no panel", pred.target_kind)
-
-    summary["pngs"] = pngs
+        _mpp_predictions(ins, mpp, num_mpp, seed)
+    summary["pngs"] = ins.pngs
     atomic_write_text(out / "inspect.json", json.dumps(summary, indent=2) + "\n")
     return summary

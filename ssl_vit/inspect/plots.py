@@ -17,23 +17,24 @@ import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-KIND_NAMES = {0: "[mask]", 1: "random patch", 2: "kept"}
-KIND_COLOURS = {0: "red", 1: "orange", 2: "deepskyblue"}
+from ssl_vit.io import atomic_open  # noqa: E402
+from ssl_vit.recipe import CorruptionKind  # noqa: E402
+
+KIND_COLOURS = {
+    CorruptionKind.MASK: "red",
+    CorruptionKind.RANDOM: "orange",
+    CorruptionKind.KEPT: "deepskyblue",
+}
 
 
 def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = 120) -> Path:
     """Write `fig` as PNG to a temporary sibling, fsync, rename; then close it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with atomic_open(path, "wb") as f:
             fig.savefig(f, format="png", dpi=dpi, bbox_inches="tight")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -213,7 +214,7 @@ def plot_mpp_predictions(
     corrupted input, the predicted 3-bit mean colour of each corrupted patch, and the true one.
 
     images: (S, C, H, W) in [0, 1]; positions, kinds: (S, M) patch indices (row-major) and
-    corruption kind (0 [mask], 1 random patch, 2 kept); *_colours: (S, M, C) in [0, 1].
+    `CorruptionKind` codes; *_colours: (S, M, C) in [0, 1].
     In the colour panels the uncorrupted patches are shown dimmed and tinted blue.
     """
     S = images.shape[0]
@@ -227,7 +228,7 @@ def plot_mpp_predictions(
         kin = kinds[i].cpu().numpy()
         pc = _rgb_colours(pred_colours[i].cpu().numpy())  # (M, 3)
         tc = _rgb_colours(true_colours[i].cpu().numpy())
-        masked = pos[kin == 0]
+        masked = pos[kin == CorruptionKind.MASK]
         corrupted = _fill_patches(img, masked, np.full((len(masked), 3), 0.5), gw, patch)
         context = img * tint  # uncorrupted patches: dim, blue, clearly not predictions
         pred = _fill_patches(context, pos, pc, gw, patch)
@@ -237,13 +238,18 @@ def plot_mpp_predictions(
             if i == 0:
                 axes[i, j].set_title(heads[j], fontsize=8)
         for pp, kk in zip(pos, kin, strict=True):
-            hatch = "////" if kk == 0 else None
+            hatch = "////" if kk == CorruptionKind.MASK else None
             _outline(axes[i, 1], pp, gw, patch, KIND_COLOURS[int(kk)], lw=0.8, hatch=hatch)
         right = int((np.abs(pc - tc).max(-1) < 1e-6).sum())
         axes[i, 2].set_xlabel(f"{right}/{len(pos)} right", fontsize=7)
     legend = [
-        Patch(edgecolor=KIND_COLOURS[k], fill=False, hatch="////" if k == 0 else None, label=n)
-        for k, n in KIND_NAMES.items()
+        Patch(
+            edgecolor=c,
+            fill=False,
+            hatch="////" if k == CorruptionKind.MASK else None,
+            label=k.label,
+        )
+        for k, c in KIND_COLOURS.items()
     ]
     fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.suptitle(

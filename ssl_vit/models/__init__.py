@@ -1,4 +1,4 @@
-"""Backbones built through timm, heads, position-embedding resampling, export/load (contract 2)."""
+"""Backbones built through timm, heads, position-embedding resampling, export/load."""
 
 from ssl_vit.models.backbones import TokenGeometry, backbone_kind, build_backbone, token_geometry
 from ssl_vit.models.export import export_backbone, load_backbone

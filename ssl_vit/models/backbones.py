@@ -1,6 +1,6 @@
 """Backbones built through timm: ViT (Ti/S/B/L/H), the paper's hybrid and MLP-Mixer.
 
-Contract 2 (see the project notes): `build_backbone(arch, *, img_size, in_chans, patch_size=None,
+The backbone API: `build_backbone(arch, *, img_size, in_chans, patch_size=None,
 **timm_kwargs)` returns a timm model with `num_classes=0`, so `forward_features(x)` gives the tokens
 (B, T, D) and `forward_head(tokens, pre_logits=True)` / `model(x)` the pooled feature (B, D).
 

@@ -1,4 +1,4 @@
-"""Export and load backbones: backbone.safetensors + backbone.json (contract 2).
+"""Export and load backbones: backbone.safetensors + backbone.json.
 
 Weights are plain tensors in safetensors (never pickled); backbone.json names the timm
 architecture and the `build_backbone` arguments, so loading needs no code from the training run.
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
-from ssl_vit.data.manifest import atomic_write_text, sha256_file
+from ssl_vit.io import atomic_write_bytes, atomic_write_text, sha256_file
 from ssl_vit.models.backbones import build_backbone, token_geometry
 from ssl_vit.models.pos_embed import adapt_pos_embed_state
 
@@ -49,11 +49,7 @@ def export_backbone(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    tmp = out / f".{WEIGHTS}.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt", "arch": arch})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out / WEIGHTS)
+    atomic_write_bytes(out / WEIGHTS, save(tensors, metadata={"format": "pt", "arch": arch}))
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "arch": arch,

@@ -1,9 +1,9 @@
-"""Training objectives (contract 3): nn.Modules called as `objective(images01, labels)` ->
+"""Training objectives: nn.Modules called as `objective(images01, labels)` ->
 `(loss, metrics)`, each with a `.backbone`.
 
 - "mpp": MaskedPatchPrediction (paper sec. 4.6), ssl_vit.objectives.mpp
 - "supervised": SupervisedObjective (sec. 4.1), ssl_vit.objectives.supervised
-- "joint": JointObjective, loss = mpp_weight * MPP + sup_weight * supervised
+- "joint": JointObjective, loss = mpp_weight * MPP + supervised_weight * supervised
 - "finetune": SupervisedObjective with the zero-initialised linear head (appendix B.1.1)
 
 Weight decay: `param_groups(objective, weight_decay)` gives the optimizer's two groups.
@@ -12,6 +12,7 @@ Weight decay: `param_groups(objective, weight_decay)` gives the optimizer's two 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -29,13 +30,36 @@ __all__ = [
     "param_groups",
     "no_weight_decay_names",
     "OBJECTIVES",
+    "objective_options",
 ]
 
-OBJECTIVES = ("mpp", "supervised", "joint", "finetune")
+
+def _joint(backbone: nn.Module, **cfg: Any) -> JointObjective:
+    weights = {k: cfg.pop(k) for k in ("mpp_weight", "supervised_weight") if k in cfg}
+    return JointObjective(
+        MaskedPatchPrediction(backbone, **_split(MaskedPatchPrediction, cfg)),
+        SupervisedObjective(backbone, **_split(SupervisedObjective, cfg)),
+        **weights,
+    )
+
+
+def _finetune(backbone: nn.Module, **cfg: Any) -> SupervisedObjective:
+    return SupervisedObjective(backbone, **{"head": "linear", **cfg})
+
+
+# The registry: kind -> (builder, the classes whose keyword arguments are its options). A new
+# objective is one line here; the config's validation reads the kinds from it.
+OBJECTIVES: dict[str, tuple[Callable[..., nn.Module], tuple[Any, ...]]] = {
+    "mpp": (MaskedPatchPrediction, (MaskedPatchPrediction,)),
+    "supervised": (SupervisedObjective, (SupervisedObjective,)),
+    "joint": (_joint, (MaskedPatchPrediction, SupervisedObjective, JointObjective)),
+    "finetune": (_finetune, (SupervisedObjective,)),
+}
 
 
 def _keywords(cls: type) -> set[str]:
-    return {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "backbone")}
+    skip = ("self", "backbone", "mpp", "supervised")
+    return {p for p in inspect.signature(cls.__init__).parameters if p not in skip}
 
 
 def _split(cls: type, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -43,39 +67,27 @@ def _split(cls: type, cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if k in keys}
 
 
-def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
-    """Build an objective by name with the paper's defaults for anything not in `cfg`.
+def objective_options(kind: str) -> set[str]:
+    """The option names the objective `kind` takes (besides the backbone)."""
+    if kind not in OBJECTIVES:
+        raise ValueError(f"objective {kind!r}: choose one of {tuple(OBJECTIVES)}")
+    return set().union(*(_keywords(c) for c in OBJECTIVES[kind][1]))
 
-    mpp: mean, std (required); corrupt_ratio=0.5, mask_prob=0.8, random_prob=0.1,
-        target="mean_color", bits=3, downsize=4, normalize_pixels=False, head_hidden=None.
+
+def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
+    """Build an objective by name with the paper's defaults (ssl_vit.recipe) for anything not
+    in `cfg`.
+
+    mpp: mean, std (required); the `MaskedPatchPrediction` options.
     supervised: num_classes, mean, std (required); label_smoothing=0.0, head_hidden=None.
-    joint: the union of both, plus mpp_weight=1.0, sup_weight=1.0 (head_hidden goes to both).
+    joint: the union of both, plus mpp_weight=1.0, supervised_weight=1.0.
     finetune: as supervised, with the zero-initialised linear head (appendix B.1.1).
     """
-    if kind not in OBJECTIVES:
-        raise ValueError(f"objective {kind!r}: choose one of {OBJECTIVES}")
-    known = _keywords(MaskedPatchPrediction) | _keywords(SupervisedObjective)
-    if kind == "joint":
-        known |= {"mpp_weight", "sup_weight"}
-    elif kind == "mpp":
-        known = _keywords(MaskedPatchPrediction)
-    else:
-        known = _keywords(SupervisedObjective)
+    known = objective_options(kind)
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ValueError(f"objective {kind!r}: unknown option(s) {unknown}; known: {sorted(known)}")
     try:
-        if kind == "mpp":
-            return MaskedPatchPrediction(backbone, **cfg)
-        if kind == "supervised":
-            return SupervisedObjective(backbone, **cfg)
-        if kind == "finetune":
-            return SupervisedObjective(backbone, **{"head": "linear", **cfg})
-        weights = {k: cfg[k] for k in ("mpp_weight", "sup_weight") if k in cfg}
-        return JointObjective(
-            MaskedPatchPrediction(backbone, **_split(MaskedPatchPrediction, cfg)),
-            SupervisedObjective(backbone, **_split(SupervisedObjective, cfg)),
-            **weights,
-        )
+        return OBJECTIVES[kind][0](backbone, **cfg)
     except TypeError as e:  # a missing required option, e.g. num_classes
         raise ValueError(f"objective {kind!r}: {e}") from e

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ssl_vit.recipe import MPP, CorruptionKind
+
 __all__ = ["Corruption", "draw_corruption", "apply_corruption", "MASK", "RANDOM", "KEPT"]
 
-MASK, RANDOM, KEPT = 0, 1, 2
+MASK, RANDOM, KEPT = CorruptionKind.MASK, CorruptionKind.RANDOM, CorruptionKind.KEPT
 
 
 @dataclass
@@ -20,7 +22,7 @@ class Corruption:
     """Which patches are corrupted and how.
 
     positions: (B, M) int64 patch indices (distinct within a row).
-    kinds: (B, M) int64, 0 = [mask] embedding, 1 = another patch's embedding, 2 = kept.
+    kinds: (B, M) int64 `CorruptionKind` codes (MASK, RANDOM, KEPT).
     sources: (B, M) int64 patch whose embedding replaces a RANDOM position (same image; never
         the position itself); only read where kinds == 1.
     """
@@ -35,8 +37,8 @@ def draw_corruption(
     num_patches: int,
     num_corrupt: int,
     *,
-    mask_prob: float = 0.8,
-    random_prob: float = 0.1,
+    mask_prob: float = MPP.mask_prob,
+    random_prob: float = MPP.random_prob,
     device: torch.device | str = "cpu",
     generator: torch.Generator | None = None,
 ) -> Corruption:
@@ -85,6 +87,6 @@ def apply_corruption(
     orig = tokens.gather(1, idx)  # (B, M, D)
     src = tokens.gather(1, corruption.sources.unsqueeze(-1).expand(-1, -1, D))  # (B, M, D)
     kind = corruption.kinds.unsqueeze(-1)  # (B, M, 1)
-    new = torch.where(kind == RANDOM, src, orig)
-    new = torch.where(kind == MASK, mask_token.to(tokens.dtype), new)
+    new = torch.where(kind == int(RANDOM), src, orig)
+    new = torch.where(kind == int(MASK), mask_token.to(tokens.dtype), new)
     return tokens.scatter(1, idx, new)

@@ -13,14 +13,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
-from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.io import atomic_write_bytes, atomic_write_text
 
 WEIGHTS = "objective.safetensors"
 META = "objective.json"
 _SKIP = ("mean", "std")  # rebuilt from backbone.json, not learned
+
+_RENAMED = {"sup_weight": "supervised_weight"}  # exports written before the rename
 
 
 def _own_tensors(objective: nn.Module) -> dict:
@@ -37,9 +39,7 @@ def save_objective(
     """Write out_dir/objective.safetensors, then out_dir/objective.json (atomically, in order)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{WEIGHTS}.tmp{os.getpid()}"
-    save_file(_own_tensors(objective), str(tmp))
-    os.replace(tmp, out / WEIGHTS)
+    atomic_write_bytes(out / WEIGHTS, save(_own_tensors(objective)))
     atomic_write_text(out / META, json.dumps({"kind": kind, "options": options}, indent=2) + "\n")
 
 
@@ -57,7 +57,8 @@ def load_objective(
     if folder is None:
         return None
     meta: dict[str, Any] = json.loads((folder / META).read_text(encoding="utf-8"))
-    objective = build_objective(meta["kind"], backbone, mean=mean, std=std, **meta["options"])
+    options = {_RENAMED.get(k, k): v for k, v in meta["options"].items()}
+    objective = build_objective(meta["kind"], backbone, mean=mean, std=std, **options)
     missing, unexpected = objective.load_state_dict(load_file(str(folder / WEIGHTS)), strict=False)
     missing = [
         k for k in missing if ".backbone." not in f".{k}" and k.rsplit(".", 1)[-1] not in _SKIP

@@ -26,14 +26,7 @@ from torch import nn
 
 from ssl_vit.models.backbones import token_geometry
 from ssl_vit.models.heads import PretrainHead
-from ssl_vit.objectives.corruption import (
-    KEPT,
-    MASK,
-    RANDOM,
-    Corruption,
-    apply_corruption,
-    draw_corruption,
-)
+from ssl_vit.objectives.corruption import Corruption, apply_corruption, draw_corruption
 from ssl_vit.objectives.targets import (
     color_class,
     decode_color_classes,
@@ -49,6 +42,7 @@ from ssl_vit.objectives.tokens import (
     normalize,
     num_prefix_tokens,
 )
+from ssl_vit.recipe import MPP, TARGETS, CorruptionKind
 
 __all__ = [
     "MaskedPatchPrediction",
@@ -63,16 +57,13 @@ __all__ = [
     "Corruption",
 ]
 
-TARGETS = ("mean_color", "downsized_color", "pixels")
-_KIND_NAMES = {MASK: "mask", RANDOM: "random", KEPT: "kept"}
-
 
 @dataclass
 class MPPPrediction:
     """What the model predicts for the patches it could not (fully) see.
 
     positions: (B, M) corrupted patch indices (row-major over the token grid).
-    kinds: (B, M) 0 = [mask], 1 = random other patch, 2 = kept unchanged.
+    kinds: (B, M) `CorruptionKind` codes (MASK, RANDOM, KEPT).
     pred, target: (B, M) classes for "mean_color", (B, M, S*S) for "downsized_color",
         (B, M, P, P, C) pixels for "pixels" (per-patch normalised if the objective is).
     Colour classes decode to RGB/gray with `decode_color_classes(c, bits=bits, in_chans=C)`.
@@ -90,7 +81,7 @@ class MPPPrediction:
 
 
 class MaskedPatchPrediction(nn.Module):
-    """MPP objective around a timm ViT, hybrid ViT or MLP-Mixer (contract 3).
+    """MPP objective around a timm ViT, hybrid ViT or MLP-Mixer.
 
     Called as `objective(images, labels) -> (loss, metrics)` with images (B, C, H, W) float32 in
     [0, 1] (normalised here with `mean`/`std` and cast to the module's dtype; targets use the raw
@@ -127,12 +118,12 @@ class MaskedPatchPrediction(nn.Module):
         std: Sequence[float],
         patch_size: int | None = None,
         in_chans: int | None = None,
-        corrupt_ratio: float = 0.5,
-        mask_prob: float = 0.8,
-        random_prob: float = 0.1,
-        target: str = "mean_color",
-        bits: int = 3,
-        downsize: int = 4,
+        corrupt_ratio: float = MPP.corrupt_ratio,
+        mask_prob: float = MPP.mask_prob,
+        random_prob: float = MPP.random_prob,
+        target: str = MPP.target,
+        bits: int = MPP.bits,
+        downsize: int = MPP.downsize,
         normalize_pixels: bool = False,
         head_hidden: int | None = None,
     ) -> None:
@@ -244,17 +235,17 @@ class MaskedPatchPrediction(nn.Module):
         loss_pp, correct = self._per_patch(out, target)
         loss = loss_pp.mean()  # every image has the same M, so this averages over patches
         metrics = {"mpp/loss": loss.detach()}
-        kinds = torch.arange(3, device=corr.kinds.device)
+        kinds = torch.arange(len(CorruptionKind), device=corr.kinds.device)
         onehot = (corr.kinds.unsqueeze(-1) == kinds).float()  # (B, M, 3); F.one_hot checks on host
         counts = onehot.sum((0, 1)).clamp_min(1.0)  # (3,)
         kind_loss = (loss_pp.detach().unsqueeze(-1) * onehot).sum((0, 1)) / counts
-        for k, name in _KIND_NAMES.items():
-            metrics[f"mpp/loss_{name}"] = kind_loss[k]
+        for k in CorruptionKind:
+            metrics[f"mpp/loss_{k.key}"] = kind_loss[k]
         if correct is not None:
             metrics["mpp/acc"] = correct.mean()
             kind_acc = (correct.unsqueeze(-1) * onehot).sum((0, 1)) / counts
-            for k, name in _KIND_NAMES.items():
-                metrics[f"mpp/acc_{name}"] = kind_acc[k]
+            for k in CorruptionKind:
+                metrics[f"mpp/acc_{k.key}"] = kind_acc[k]
         return loss, metrics
 
     @torch.no_grad()

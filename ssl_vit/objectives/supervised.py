@@ -20,7 +20,7 @@ __all__ = ["SupervisedObjective", "JointObjective"]
 
 
 class SupervisedObjective(nn.Module):
-    """Cross-entropy (optionally label-smoothed) through a tanh-MLP head (contract 3).
+    """Cross-entropy (optionally label-smoothed) through a tanh-MLP head.
 
     `objective(images01, labels) -> (loss, {"sup/loss", "sup/acc"})`; labels of -1 (unlabelled)
     are left out of loss and accuracy; a batch with none labelled gives loss 0 (still a graph).
@@ -88,7 +88,7 @@ class SupervisedObjective(nn.Module):
 
 
 class JointObjective(nn.Module):
-    """loss = mpp_weight * MPP + sup_weight * supervised, on one shared backbone.
+    """loss = mpp_weight * MPP + supervised_weight * supervised, on one shared backbone.
 
     MPP sees the corrupted image and the classifier the clean one (two forward passes), so the
     supervised signal is the ordinary one and MPP's the paper's. Metrics: both objectives' and
@@ -101,14 +101,14 @@ class JointObjective(nn.Module):
         supervised: SupervisedObjective,
         *,
         mpp_weight: float = 1.0,
-        sup_weight: float = 1.0,
+        supervised_weight: float = 1.0,
     ) -> None:
         super().__init__()
         if mpp.backbone is not supervised.backbone:
             raise ValueError("JointObjective: mpp and supervised must share one backbone")
         self.mpp, self.supervised = mpp, supervised
         self.backbone = mpp.backbone
-        self.mpp_weight, self.sup_weight = float(mpp_weight), float(sup_weight)
+        self.mpp_weight, self.supervised_weight = float(mpp_weight), float(supervised_weight)
 
     def no_weight_decay(self) -> set[str]:
         return {f"mpp.{n}" for n in self.mpp.no_weight_decay()} | {
@@ -120,5 +120,5 @@ class JointObjective(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         l_mpp, m_mpp = self.mpp(images, labels)
         l_sup, m_sup = self.supervised(images, labels)
-        loss = self.mpp_weight * l_mpp + self.sup_weight * l_sup
+        loss = self.mpp_weight * l_mpp + self.supervised_weight * l_sup
         return loss, {**m_mpp, **m_sup, "joint/loss": loss.detach()}

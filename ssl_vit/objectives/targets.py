@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ssl_vit.recipe import MPP
+
 __all__ = [
     "quantize",
     "color_class",
@@ -22,20 +24,20 @@ __all__ = [
 ]
 
 
-def quantize(values: torch.Tensor, bits: int = 3) -> torch.Tensor:
+def quantize(values: torch.Tensor, bits: int = MPP.bits) -> torch.Tensor:
     """[0, 1] values -> int64 levels in [0, 2^bits - 1] (bins of width 2^-bits, 1.0 in the top)."""
     levels = 1 << bits
     return (values.float() * levels).floor_().clamp_(0, levels - 1).long()
 
 
-def color_class(levels: torch.Tensor, bits: int = 3) -> torch.Tensor:
+def color_class(levels: torch.Tensor, bits: int = MPP.bits) -> torch.Tensor:
     """(..., C) channel levels -> (...) class index in [0, 2^(bits*C))."""
     weights = (1 << bits) ** torch.arange(levels.shape[-1] - 1, -1, -1, device=levels.device)
     return (levels * weights).sum(-1)
 
 
 def decode_color_classes(
-    classes: torch.Tensor, *, bits: int = 3, in_chans: int = 3
+    classes: torch.Tensor, *, bits: int = MPP.bits, in_chans: int = 3
 ) -> torch.Tensor:
     """Inverse of quantise + color_class: (...) classes -> (..., C) bin-centre colours in [0, 1]."""
     levels = 1 << bits
@@ -54,7 +56,7 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.permute(0, 2, 4, 3, 5, 1).reshape(B, (H // P) * (W // P), P, P, C)
 
 
-def mean_color_targets(images: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
+def mean_color_targets(images: torch.Tensor, patch_size: int, bits: int = MPP.bits) -> torch.Tensor:
     """The paper's target: each patch's mean colour, `bits` per channel -> (B, N) int64 classes
     in [0, 2^(bits*C)) (512 for RGB at 3 bits, 8 for grayscale)."""
     means = F.avg_pool2d(images.float(), patch_size)  # (B, C, gh, gw)
@@ -63,7 +65,7 @@ def mean_color_targets(images: torch.Tensor, patch_size: int, bits: int = 3) -> 
 
 
 def downsized_color_targets(
-    images: torch.Tensor, patch_size: int, bits: int = 3, size: int = 4
+    images: torch.Tensor, patch_size: int, bits: int = MPP.bits, size: int = MPP.downsize
 ) -> torch.Tensor:
     """Each patch downsized to size x size (area average) in `bits`-bit colour ->
     (B, N, size*size) int64 classes: size^2 parallel 2^(bits*C)-way predictions."""

@@ -1,4 +1,4 @@
-"""MLflow tracking on rank 0, tolerant of an unreachable server (shared contract 5).
+"""MLflow tracking on rank 0, tolerant of an unreachable server.
 
     from ssl_vit.tracking import Tracker         # Tracker(enabled=rank == 0, experiment=...)
     python -m ssl_vit.tracking replay SPOOL_DIR [--tracking-uri URI]
@@ -11,8 +11,8 @@ versus rejection), `spool` (the on-disk spool of events the store did not take, 
 
 from ssl_vit.tracking.cli import main
 from ssl_vit.tracking.spool import COPY_LIMIT, replay_file
-from ssl_vit.tracking.store import MAX_METRICS, MAX_PARAMS
-from ssl_vit.tracking.tracker import DEFAULT_URI, MAX_PARAM_LEN, Tracker, flatten
+from ssl_vit.tracking.store import DEFAULT_URI, MAX_METRICS, MAX_PARAMS
+from ssl_vit.tracking.tracker import MAX_PARAM_LEN, Tracker, flatten
 
 __all__ = [
     "COPY_LIMIT",

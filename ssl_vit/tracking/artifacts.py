@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ssl_vit.data.manifest import sha256_file
+from ssl_vit.io import sha256_file
 
 log = logging.getLogger("ssl_vit.tracking")
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
 from ssl_vit.tracking.spool import replay_file
-from ssl_vit.tracking.store import _Unreachable
+from ssl_vit.tracking.store import Unreachable, resolve_uri
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.cmd == "register":
         from ssl_vit.tracking.registry import register_export
-        from ssl_vit.tracking.tracker import DEFAULT_URI
 
-        uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        uri = resolve_uri(args.tracking_uri)
         version = register_export(uri, args.name, args.run_id, artifact_path=args.artifact_path)
         if version is None:
             return 1
@@ -58,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_id, n = replay_file(path, args.tracking_uri)
             print(f"{path}: {n} events -> run {run_id}")
-        except (_Unreachable, ValueError) as e:
+        except (Unreachable, ValueError) as e:
             print(f"error: {path}: {e}", file=sys.stderr)
             failed += 1
     if not files:

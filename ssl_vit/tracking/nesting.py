@@ -17,27 +17,17 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
-from ssl_vit.data.manifest import atomic_write_text
+from ssl_vit.io import atomic_write_text
+from ssl_vit.tracking.store import resolve_uri
 
 log = logging.getLogger("ssl_vit.tracking")
 
 PARENT_ENV = "SSL_VIT_PARENT_RUN_ID"
-PARENT_TAG = "mlflow.parentRunId"
 
 
 def parent_from_env() -> str | None:
     return os.environ.get(PARENT_ENV) or None
-
-
-def parent_experiment(client: Any, parent: str) -> str | None:
-    """The parent run's experiment id, or None (with a warning) when the store lacks it."""
-    try:
-        return client.get_run(parent).info.experiment_id
-    except Exception as e:
-        log.warning("parent run %s not found (%s); not nesting", parent, str(e)[:200])
-        return None
 
 
 def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -50,10 +40,8 @@ class ParentRuns:
     """One parent run per name, its ids kept in a JSON file so a rerun reuses them."""
 
     def __init__(self, path: Path, experiment: str, tracking_uri: str | None = None) -> None:
-        from ssl_vit.tracking.tracker import DEFAULT_URI
-
         self.path, self.experiment = path, experiment
-        self.uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        self.uri = resolve_uri(tracking_uri)
         self.runs: dict[str, dict[str, str]] = (
             json.loads(path.read_text()) if path.is_file() else {}
         )

@@ -18,13 +18,14 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from ssl_vit.tracking.store import _send_or_raise, _Store, _Unreachable
+from ssl_vit.io import atomic_write_text
+from ssl_vit.tracking.store import Store, Unreachable, send_or_raise
 
 log = logging.getLogger("ssl_vit.tracking")
 COPY_LIMIT = 64 << 20  # spooled artifacts up to this size are copied, larger ones referenced
 
 
-class _Spool:
+class Spool:
     """Append-only JSONL of events the store did not take yet: header line, then events."""
 
     def __init__(self, root: Path, header: dict) -> None:
@@ -71,7 +72,7 @@ def replay_file(
     path: Path,
     tracking_uri: str | None = None,
     *,
-    store: _Store | None = None,
+    store: Store | None = None,
     run_id: str | None = None,
 ) -> tuple[str, int]:
     """Push one spool file to its store (or `tracking_uri`); return (run_id, events sent).
@@ -90,21 +91,21 @@ def replay_file(
     if not header.get("run_id") and sidecar.is_file():
         header["run_id"] = sidecar.read_text().strip()
     if store is None or run_id is None:
-        store = _Store(tracking_uri or header["tracking_uri"])
+        store = Store(tracking_uri or header["tracking_uri"])
         if not store.reachable():
-            raise _Unreachable(f"{store.uri} is not reachable; start it and replay again")
+            raise Unreachable(f"{store.uri} is not reachable; start it and replay again")
         run_id = store.connect(header)
     if not header.get("run_id"):
-        sidecar.write_text(run_id)
-    spool = _Spool(path.parent, header)
+        atomic_write_text(sidecar, run_id)
+    spool = Spool(path.parent, header)
     for ev in events:
-        _send_or_raise(store, run_id, ev, spool)
+        send_or_raise(store, run_id, ev, spool.reject)
     path.rename(path.with_name(f"{path.name}.done-{time.strftime('%Y%m%dT%H%M%S')}"))
     sidecar.unlink(missing_ok=True)
     return run_id, len(events)
 
 
-def _read_header(path: Path) -> dict:
+def read_header(path: Path) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             head = json.loads(f.readline())

@@ -1,31 +1,46 @@
 """The MLflow side of tracking: find or create the run, send events, tell outage from rejection.
 
-`_Store.send` dedupes metrics per key by step against what the run already holds;
-`_send_or_raise` turns an outage into `_Unreachable` (spool and retry) and a rejection
+`Store.send` dedupes metrics per key by step against what the run already holds;
+`send_or_raise` turns an outage into `Unreachable` (spool and retry) and a rejection
 (retrying cannot help) into a line in the spool's `rejected.jsonl`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from ssl_vit.tracking.nesting import PARENT_TAG, parent_experiment
-
-if TYPE_CHECKING:
-    from ssl_vit.tracking.spool import _Spool
+from typing import Any
 
 log = logging.getLogger("ssl_vit.tracking")
 MAX_METRICS = 1000  # per log_batch
+DEFAULT_URI = "sqlite:///mlflow.db"
+PARENT_TAG = "mlflow.parentRunId"
+
+
+def resolve_uri(uri: str | None) -> str:
+    """The tracking store: `uri`, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def parent_experiment(client: Any, parent: str) -> str | None:
+    """The parent run's experiment id, or None (with a warning) when the store lacks it."""
+    try:
+        return client.get_run(parent).info.experiment_id
+    except Exception as e:
+        log.warning("parent run %s not found (%s); not nesting", parent, str(e)[:200])
+        return None
+
+
 MAX_PARAMS = 100  # per log_batch
 
 
-class _Unreachable(Exception):
+class Unreachable(Exception):
     pass
 
 
-class _Store:
+class Store:
     """The MLflow side: find or create the run, send events with per-key step dedupe."""
 
     def __init__(self, uri: str) -> None:
@@ -114,14 +129,17 @@ _REJECTED = {
 }  # fmt: skip
 
 
-def _send_or_raise(store: _Store, run_id: str, ev: dict, spool: _Spool) -> None:
-    """Send; an outage raises _Unreachable, a rejection goes to rejected.jsonl."""
+def send_or_raise(
+    store: Store, run_id: str, ev: dict, reject: Callable[[dict, Exception], None]
+) -> None:
+    """Send; an outage raises Unreachable, a rejection goes to `reject` (the spool's
+    rejected.jsonl)."""
     from mlflow.exceptions import MlflowException
 
     try:
         store.send(run_id, ev)
     except Exception as e:
         if isinstance(e, MlflowException) and e.error_code in _REJECTED and store.reachable():
-            spool.reject(ev, e)
+            reject(ev, e)
         else:
-            raise _Unreachable(f"{type(e).__name__}: {str(e)[:300]}") from None
+            raise Unreachable(f"{type(e).__name__}: {str(e)[:300]}") from None

@@ -1,4 +1,4 @@
-"""The Tracker: MLflow tracking on rank 0, tolerant of an unreachable server (shared contract 5).
+"""The Tracker: MLflow tracking on rank 0, tolerant of an unreachable server.
 
 Public API:
 
@@ -49,12 +49,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.tracking.nesting import PARENT_TAG, parent_from_env
-from ssl_vit.tracking.spool import _read_header, _Spool, replay_file
-from ssl_vit.tracking.store import MAX_METRICS, _send_or_raise, _Store, _Unreachable
+from ssl_vit.tracking.nesting import parent_from_env
+from ssl_vit.tracking.spool import Spool, read_header, replay_file
+from ssl_vit.tracking.store import (
+    MAX_METRICS,
+    PARENT_TAG,
+    Store,
+    Unreachable,
+    resolve_uri,
+    send_or_raise,
+)
 
 log = logging.getLogger("ssl_vit.tracking")
-DEFAULT_URI = "sqlite:///mlflow.db"
 MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH (500 before MLflow 1.x)
 _STOP = object()
 
@@ -93,7 +99,7 @@ class Tracker:
         self._run_id = run_id
         if not enabled:
             return
-        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        self.tracking_uri = resolve_uri(tracking_uri)
         if self.tracking_uri.startswith(("http://", "https://")):
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout)))
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -105,8 +111,8 @@ class Tracker:
             tracking_uri=_absolute_uri(self.tracking_uri), experiment=experiment, run_name=run_name,
             run_id=run_id, tags=tags,
         )  # fmt: skip
-        self._spool = _Spool(Path(spool_dir or "mlflow-spool").resolve(), header)
-        self._store = _Store(self.tracking_uri)
+        self._spool = Spool(Path(spool_dir or "mlflow-spool").resolve(), header)
+        self._store = Store(self.tracking_uri)
         self._queue: queue.Queue = queue.Queue()
         self._last: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -196,7 +202,7 @@ class Tracker:
             mine = [self._spool.path] + [  # ours, then earlier processes' spools of this run
                 p
                 for p in sorted(self._spool.root.glob("*.jsonl"))
-                if p != self._spool.path and _read_header(p).get("run_id") == self._run_id
+                if p != self._spool.path and read_header(p).get("run_id") == self._run_id
             ]
             for path in mine:
                 if path.exists():
@@ -239,15 +245,18 @@ class Tracker:
     def _handle(self, ev: dict) -> None:
         if self._online and not self._abandon and self._run_id is not None:
             try:
-                _send_or_raise(self._store, self._run_id, ev, self._spool)
+                send_or_raise(self._store, self._run_id, ev, self._spool.reject)
                 return
-            except _Unreachable as e:
+            except Unreachable as e:
                 log.warning("MLflow store %s unreachable (%s); spooling to %s",
                             self.tracking_uri, e, self._spool.root)  # fmt: skip
                 self._online = False
         self._spool.append([ev])
 
     def _start_system_metrics(self, interval: float) -> None:
+        # mlflow.enable_system_metrics_logging would log straight to the store from its own
+        # thread; sampling its monitors here puts the values through our queue and spool, so a
+        # store outage loses none of them.
         try:
             import psutil  # noqa: F401  (mlflow's monitors need it)
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor

@@ -1,0 +1,1 @@
+"""The training engine: DeepSpeed trainer, optimizer, checkpoints, in-training evals."""
