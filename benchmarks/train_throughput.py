@@ -41,7 +41,7 @@ def plain_loop(config: str, shards: str, overrides: list[str], steps: int, windo
     from ssl_vit.data.manifest import load_manifest
     from ssl_vit.data.stream import make_eval_loader
     from ssl_vit.engine.build import build_from_config
-    from ssl_vit.engine.optim import resolve_precision
+    from ssl_vit.engine.precision import resolve_precision
 
     cfg = load_config(config, [f"data.root={shards}", "train.epochs=null", "train.steps=1",
                                *overrides])  # fmt: skip

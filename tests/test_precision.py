@@ -1,5 +1,5 @@
 """train.precision=auto on CPU: fp32 without native bf16, else the faster of fp32 and bf16
-autocast, measured on the real model (ssl_vit.engine.optim.resolve_precision)."""
+autocast, measured on the real model (ssl_vit.engine.precision.resolve_precision)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from ssl_vit.engine import optim
-from ssl_vit.engine.optim import BF16_MIN_SPEEDUP, measure_step_seconds, resolve_precision
+from ssl_vit.engine import precision
+from ssl_vit.engine.precision import BF16_MIN_SPEEDUP, measure_step_seconds, resolve_precision
 from ssl_vit.models import build_backbone
 from ssl_vit.objectives.mpp import MaskedPatchPrediction
 
@@ -44,7 +44,7 @@ def test_measuring_leaves_the_model_as_it_was(mpp_step):
 def test_without_native_bf16_fp32_and_no_measurement(mpp_step, monkeypatch):
     _, timer, calls = mpp_step
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU branch, anywhere
-    monkeypatch.setattr(optim, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     calls.clear()
     assert resolve_precision("auto", timer) == "fp32" and calls == []
     assert resolve_precision("bf16", timer) == "bf16" and calls == []  # asked for: kept
@@ -53,7 +53,7 @@ def test_without_native_bf16_fp32_and_no_measurement(mpp_step, monkeypatch):
 def test_with_native_bf16_the_measured_faster_wins(mpp_step, monkeypatch, caplog):
     _, timer, calls = mpp_step
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(optim, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     calls.clear()
     with caplog.at_level(logging.INFO, logger="ssl_vit.train"):
         choice = resolve_precision("auto", timer)

@@ -10,7 +10,8 @@ import torch
 from conftest import ROOT, run_cli
 
 from ssl_vit.config import ConfigError, load_config, local_batch
-from ssl_vit.engine.optim import deepspeed_config, gpu_precision
+from ssl_vit.engine.optim import deepspeed_config
+from ssl_vit.engine.precision import gpu_precision
 from ssl_vit.features import random_backbone, split_features
 
 

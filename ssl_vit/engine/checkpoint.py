@@ -14,6 +14,7 @@ The run directory must be on storage all ranks share: `check_shared` refuses to 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import socket
 from pathlib import Path
@@ -23,6 +24,7 @@ from ssl_vit.engine.distributed import all_gather_object, barrier, broadcast_obj
 from ssl_vit.io import atomic_write_text
 
 STATE_NAME = "trainer_state.json"
+log = logging.getLogger("ssl_vit.train")
 
 
 class CheckpointError(RuntimeError):
@@ -122,3 +124,35 @@ def restore(engine: Any, ckpt_dir: Path, tag: str) -> None:
     path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None:
         raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
+
+
+# What a checkpoint's step means depends on these; the trainer saves them in trainer_state.json.
+LAUNCH_KEYS = {"world_size": "world size", "num_workers": "data.num_workers",
+               "steps_per_epoch": "steps per epoch"}  # fmt: skip
+
+
+def resume(engine: Any, ckpt_dir: Path, zero_stage: int, launch: dict[str, int]) -> dict:
+    """Restore the checkpoint to resume and return its trainer state ({} for a fresh run),
+    after checking that this launch (`LAUNCH_KEYS`) can continue it exactly.
+
+    ZeRO >= 1 keeps optimizer partitions per rank; mid-epoch, the data position is per (rank,
+    worker) stream and the shards read: a change to either would silently alter the run, so it
+    is refused with one line before DeepSpeed loads anything."""
+    found = find(ckpt_dir, engine.global_rank)
+    if found is None:
+        return {}
+    tag, state = found
+    step = int(state["step"])
+    saved = {k: state.get(k, v) for k, v in launch.items()}
+    changed = [k for k in LAUNCH_KEYS if saved[k] != launch[k]]
+    mid_epoch = step % launch["steps_per_epoch"] != 0
+    if (zero_stage and "world_size" in changed) or (changed and mid_epoch):
+        what = ", ".join(f"{LAUNCH_KEYS[k]} {saved[k]} -> {launch[k]}" for k in changed)
+        keep = ", ".join(f"{LAUNCH_KEYS[k]} {saved[k]}" for k in changed)
+        raise CheckpointError(
+            f"{ckpt_dir / tag}: cannot resume exactly ({what}); relaunch with the saved {keep}, "
+            "or start a new run.dir with model.init_from pointing at this run"
+        )
+    restore(engine, ckpt_dir, tag)
+    log.info("resumed from step %d (%s)", step, ckpt_dir / tag)
+    return state

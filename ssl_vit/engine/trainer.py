@@ -35,7 +35,6 @@ from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
 from ssl_vit.engine.distributed import (
     all_reduce_sum,
     barrier,
-    broadcast_object,
     device_for,
     init_distributed,
 )
@@ -44,9 +43,8 @@ from ssl_vit.engine.optim import (
     StepSchedule,
     deepspeed_config,
     make_optimizer,
-    measure_step_seconds,
-    resolve_precision,
 )
+from ssl_vit.engine.precision import run_precision, step_timer
 from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.progress import MetricWindow, TrainProgress, write_loss_plot
 from ssl_vit.io import atomic_write_text
@@ -121,33 +119,6 @@ def _flops_per_step(objective: torch.nn.Module, cfg: Config, in_chans: int, imag
     flops = count_train_flops(objective, x, y) / 2 * images
     objective.zero_grad(set_to_none=True)
     return flops
-
-
-def _step_timer(objective: torch.nn.Module, in_chans: int, img_size: int, micro: int):
-    """For precision=auto on CPU: seconds of one micro-batch step, averaged over ranks so every
-    rank makes the same choice."""
-
-    def timer(autocast: bool) -> float:
-        x = torch.rand(micro, in_chans, img_size, img_size)
-        y = torch.zeros(micro, dtype=torch.long)
-        seconds = measure_step_seconds(objective, x, y, autocast)
-        total = all_reduce_sum(torch.tensor([seconds], dtype=torch.float64))
-        return float(total.item()) / torch.distributed.get_world_size()
-
-    return timer
-
-
-def _run_precision(cfg: Config, run_dir: Path, rank: int, timer) -> str:
-    """The precision of this run: resolved once (`auto` may time the model), then read back
-    from RUN/precision on every resume, so a run never changes arithmetic halfway."""
-    saved = run_dir / "precision"
-    known = broadcast_object(saved.read_text().strip() if rank == 0 and saved.is_file() else None)
-    if known and cfg.train.precision in ("auto", known):
-        return str(known)
-    precision = resolve_precision(cfg.train.precision, timer)
-    if rank == 0:
-        atomic_write_text(saved, precision + "\n")
-    return precision
 
 
 def _train_step(
@@ -238,40 +209,6 @@ def _open_tracker(
     return tracker
 
 
-def _resume_state(engine, ckpt_dir: Path, cfg: Config, world: int, loader: TrainLoader) -> dict:
-    """The saved trainer state (or {}), after checking this launch can continue it exactly."""
-    found = checkpoint.find(ckpt_dir, engine.global_rank)
-    if found is None:
-        return {}
-    tag, state = found
-    step, where = int(state["step"]), ckpt_dir / tag
-    saved = {
-        "world size": state.get("world_size", world),
-        "data.num_workers": state.get("num_workers", cfg.data.num_workers),
-        "steps per epoch": state.get("steps_per_epoch", loader.steps_per_epoch),
-    }
-    now = {
-        "world size": world,
-        "data.num_workers": cfg.data.num_workers,
-        "steps per epoch": loader.steps_per_epoch,
-    }
-    changed = [k for k in saved if saved[k] != now[k]]
-    # ZeRO >= 1 keeps optimizer partitions per rank; mid-epoch, the data position is per
-    # (rank, worker) stream and the shards read. Either would silently change the run.
-    if (cfg.train.zero_stage and "world size" in changed) or (
-        changed and step % loader.steps_per_epoch
-    ):
-        what = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in changed)
-        raise checkpoint.CheckpointError(
-            f"{where}: cannot resume exactly ({what}); relaunch with the saved "
-            f"{', '.join(f'{k} {saved[k]}' for k in changed)}, or start a new run.dir with "
-            "model.init_from pointing at this run"
-        )
-    checkpoint.restore(engine, ckpt_dir, tag)
-    log.info("resumed from step %d (%s)", step, where)
-    return state
-
-
 @dataclass
 class _Setup:
     """What one rank trains with: the run directory, the engine and the data stream."""
@@ -314,8 +251,8 @@ def _setup(cfg: Config, header: str) -> _Setup:
     run_dir = _prepare_run_dir(cfg, rank, header)
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     objective, objective_options, spec = build_from_config(cfg, manifest)
-    timer = _step_timer(objective, spec.in_chans, cfg.model.img_size, micro)
-    precision = _run_precision(cfg, run_dir, rank, timer)
+    timer = step_timer(objective, spec.in_chans, cfg.model.img_size, micro)
+    precision = run_precision(cfg, run_dir, rank, timer)
     loader = make_train_loader(
         cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
         world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
@@ -412,7 +349,9 @@ def train(cfg: Config, header: str = "") -> Path:
 
     Every rank calls this."""
     s = _setup(cfg, header)
-    state = _resume_state(s.engine, s.ckpt_dir, cfg, s.world, s.loader)
+    launch = {"world_size": s.world, "num_workers": cfg.data.num_workers,
+              "steps_per_epoch": s.loader.steps_per_epoch}  # fmt: skip
+    state = checkpoint.resume(s.engine, s.ckpt_dir, cfg.train.zero_stage, launch)
     n = Counters(**{k: int(state.get(k, 0)) for k in Counters().state()})
     s.loader.set_epoch(n.step // s.loader.steps_per_epoch, n.step % s.loader.steps_per_epoch)
     s.schedule.set(n.step)
