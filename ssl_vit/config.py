@@ -18,6 +18,8 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+FINETUNE_KINDS = ("finetune", "cascade")  # objectives evals/finetune.py trains
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key and what to do."""
@@ -71,7 +73,8 @@ class ModelConfig:
 
 @dataclass
 class ObjectiveConfig:
-    kind: str = "mpp"  # "mpp", "supervised", "joint" (a*MPP + b*supervised) or "finetune"
+    kind: str = "mpp"  # "mpp", "supervised", "joint" (a*MPP + b*supervised), "finetune" or
+    # "cascade" (Dynamic ViT fine-tuning: ssl_vit.objectives.cascade)
     corrupt_ratio: float = 0.5  # share of patches corrupted; the paper's 50% (sec. 4.6)
     mask_prob: float = 0.8  # of corrupted: [mask] embedding (BERT's 80/10/10, B.1.2)
     random_prob: float = 0.1  # of corrupted: another patch's embedding
@@ -80,6 +83,10 @@ class ObjectiveConfig:
     label_smoothing: float = 0.0
     mpp_weight: float = 1.0
     supervised_weight: float = 1.0
+    # cascade: image sizes of the coarser stages (the finest is model.img_size), and the reuses
+    cascade_sizes: Any = (14, 28)
+    feature_reuse: bool = True
+    relation_reuse: bool = True
 
 
 @dataclass
@@ -258,8 +265,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Checks that need no data; `engine.preflight.check_data` does the rest with the shards."""
     m, o, t = cfg.model, cfg.objective, cfg.train
-    if o.kind not in ("mpp", "supervised", "joint", "finetune"):
-        raise ConfigError(f"objective.kind={o.kind!r}: choose mpp, supervised, joint or finetune")
+    if o.kind not in FINETUNE_KINDS + ("mpp", "supervised", "joint"):
+        raise ConfigError(
+            f"objective.kind={o.kind!r}: choose mpp, supervised, joint, finetune or cascade"
+        )
+    if o.kind == "cascade":
+        _check_cascade_sizes(o.cascade_sizes, m.img_size)
     if cfg.optim.name not in ("adamw", "sgd"):
         raise ConfigError(f"optim.name={cfg.optim.name!r}: choose adamw or sgd")
     if o.target not in ("mean_color", "downsized_color", "pixels"):
@@ -306,7 +317,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 def holdout_fraction(cfg: Config) -> float:
     """The share of data.split held out of training (data.holdout_fraction resolved)."""
     f = cfg.data.holdout_fraction
-    return float(f) if f is not None else (0.02 if cfg.objective.kind == "finetune" else 0.0)
+    return float(f) if f is not None else (0.02 if cfg.objective.kind in FINETUNE_KINDS else 0.0)
+
+
+def _check_cascade_sizes(sizes: Any, img_size: int) -> None:
+    ok = isinstance(sizes, (list, tuple)) and len(sizes) >= 1
+    ok = ok and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
+    if not ok or list(sizes) != sorted(set(sizes)) or sizes[-1] >= img_size:
+        raise ConfigError(
+            f"objective.cascade_sizes={sizes!r}: give increasing image sizes of the coarser "
+            f"stages, each below model.img_size={img_size}, e.g. [14, 28]"
+        )
 
 
 def local_batch(cfg: Config, world_size: int) -> tuple[int, int, int]:

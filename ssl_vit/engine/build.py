@@ -71,7 +71,10 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
     }
     sup = {"num_classes": manifest.num_classes, "label_smoothing": o.label_smoothing}
     joint = {"mpp_weight": o.mpp_weight, "sup_weight": o.supervised_weight}
-    options = {"mpp": mpp, "supervised": sup, "finetune": sup, "joint": {**mpp, **sup, **joint}}
+    cascade = {**sup, "coarse_sizes": [int(s) for s in o.cascade_sizes],
+               "feature_reuse": o.feature_reuse, "relation_reuse": o.relation_reuse}  # fmt: skip
+    options = {"mpp": mpp, "supervised": sup, "finetune": sup, "joint": {**mpp, **sup, **joint},
+               "cascade": cascade}  # fmt: skip
     objective = build_objective(o.kind, backbone, mean=spec.mean, std=spec.std, **options[o.kind])
     return objective, options[o.kind], spec
 

@@ -5,6 +5,8 @@
 - "supervised": SupervisedObjective (sec. 4.1), ssl_vit.objectives.supervised
 - "joint": JointObjective, loss = mpp_weight * MPP + sup_weight * supervised
 - "finetune": SupervisedObjective with the zero-initialised linear head (appendix B.1.1)
+- "cascade": CascadeObjective, a Dynamic ViT cascade (sum of the stages' cross-entropies),
+  ssl_vit.objectives.cascade
 
 Weight decay: `param_groups(objective, weight_decay)` gives the optimizer's two groups.
 """
@@ -16,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from ssl_vit.objectives.cascade import CascadeObjective
 from ssl_vit.objectives.mpp import MaskedPatchPrediction, MPPPrediction
 from ssl_vit.objectives.param_groups import no_weight_decay_names, param_groups
 from ssl_vit.objectives.supervised import JointObjective, SupervisedObjective
@@ -26,12 +29,13 @@ __all__ = [
     "MPPPrediction",
     "SupervisedObjective",
     "JointObjective",
+    "CascadeObjective",
     "param_groups",
     "no_weight_decay_names",
     "OBJECTIVES",
 ]
 
-OBJECTIVES = ("mpp", "supervised", "joint", "finetune")
+OBJECTIVES = ("mpp", "supervised", "joint", "finetune", "cascade")
 
 
 def _keywords(cls: type) -> set[str]:
@@ -51,6 +55,8 @@ def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
     supervised: num_classes, mean, std (required); label_smoothing=0.0, head_hidden=None.
     joint: the union of both, plus mpp_weight=1.0, sup_weight=1.0 (head_hidden goes to both).
     finetune: as supervised, with the zero-initialised linear head (appendix B.1.1).
+    cascade: num_classes, mean, std (required); coarse_sizes=(14, 28), feature_reuse=True,
+        relation_reuse=True, label_smoothing=0.0 (a CascadeViT around the backbone).
     """
     if kind not in OBJECTIVES:
         raise ValueError(f"objective {kind!r}: choose one of {OBJECTIVES}")
@@ -59,6 +65,8 @@ def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
         known |= {"mpp_weight", "sup_weight"}
     elif kind == "mpp":
         known = _keywords(MaskedPatchPrediction)
+    elif kind == "cascade":
+        known = _keywords(CascadeObjective)
     else:
         known = _keywords(SupervisedObjective)
     unknown = sorted(set(cfg) - known)
@@ -71,6 +79,8 @@ def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
             return SupervisedObjective(backbone, **cfg)
         if kind == "finetune":
             return SupervisedObjective(backbone, **{"head": "linear", **cfg})
+        if kind == "cascade":
+            return CascadeObjective(backbone, **cfg)
         weights = {k: cfg[k] for k in ("mpp_weight", "sup_weight") if k in cfg}
         return JointObjective(
             MaskedPatchPrediction(backbone, **_split(MaskedPatchPrediction, cfg)),
