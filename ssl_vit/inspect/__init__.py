@@ -116,6 +116,10 @@ def inspect_model(
         sim = position_similarity(patch_position_embeddings(model), grid)
         fig = plots.plot_position_similarity(sim, title=prefix)
         pngs["position"] = str(plots.save_figure(fig, out / "position_similarity.png"))
+    else:  # a Mixer's token-mixing weights are tied to positions: no embedding to compare
+        summary.setdefault("not_applicable", {})["position_similarity"] = (
+            f"not applicable: a {kind} backbone has no position embeddings"
+        )
 
     if kind == "vit":
 
@@ -141,8 +145,12 @@ def inspect_model(
         if stats.rollout.shape[0]:
             fig = plots.plot_rollout(images01[:num_show], stats.rollout, title=prefix)
             pngs["rollout"] = str(plots.save_figure(fig, out / "attention_rollout.png"))
-    else:
-        log.info("%s backbone has no attention: skipping distance and rollout", kind)
+    else:  # an MLP-Mixer mixes tokens with MLPs: there are no attention weights to plot
+        why = f"not applicable: a {kind} backbone has no attention (token-mixing MLPs)"
+        summary.setdefault("not_applicable", {}).update(
+            {"attention_distance": why, "attention_rollout": why}
+        )
+        log.info("attention distance and rollout %s", why)
 
     if mpp is not None:
         mpp.eval()
