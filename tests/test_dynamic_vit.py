@@ -4,12 +4,15 @@ MLflow) and evals/dynamic_vit.py on its export, on the real toy shards of confte
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from mlflow.tracking import MlflowClient
 
 from ssl_vit.evaluation.dynamic import StageOutputs, choose_thresholds, simulate
@@ -18,6 +21,12 @@ from ssl_vit.models import build_backbone, export_backbone
 pytestmark = pytest.mark.slow
 
 KW = {"img_size": 16, "in_chans": 1, "patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _args(shards: Path, run_dir: Path, db: Path, init: Path, steps: int) -> list[str]:
@@ -115,3 +124,30 @@ def test_thresholds_are_chosen_on_held_out_within_each_budget():
     for c in chosen:
         r = simulate(held, c["thresholds"], costs)
         assert r["mean_flops"] <= c["budget_flops"] + 1e-9 and r["top1"] == c["held_top1"]
+
+
+def test_cascade_under_zero3_on_two_ranks_exports_what_zero0_exports(cascade_run, tiny_shards):
+    """Every stage's position embedding and [class] token are read in the cascade's forward,
+    outside their ViT's: under ZeRO-3 (persistence 0: everything partitioned) they must be
+    gathered, and the run must train exactly as ZeRO-0 does."""
+    from safetensors.torch import load_file
+
+    run_dir, db, args = cascade_run
+    init = run_dir.parent / "init"
+    exports = {}
+    for stage in (0, 3):
+        out = run_dir.parent / f"zero{stage}"
+        cmd = [
+            sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+            "--master_port", str(free_port()),
+            *_args(tiny_shards, out, db, init, steps=4),
+            f"train.zero_stage={stage}", "optim.eps=1e-6",
+            "train.deepspeed={zero_optimization: {stage3_param_persistence_threshold: 0}}",
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        exports[stage] = load_file(str(out / "export" / "objective.safetensors"))
+    assert exports[0].keys() == exports[3].keys()
+    assert any("stages.0.vit.pos_embed" in k for k in exports[0])
+    for name, w in exports[0].items():
+        torch.testing.assert_close(exports[3][name], w, rtol=1e-4, atol=1e-5, msg=name)
