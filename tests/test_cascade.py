@@ -130,3 +130,17 @@ def test_cascade_objective_sums_stage_cross_entropies_and_trains():
     with pytest.raises(ValueError, match="increasing"):
         build_objective("cascade", _vit(), num_classes=4, mean=[0.5], std=[0.25],
                         coarse_sizes=[28])  # fmt: skip
+
+
+def test_cascade_preset_keeps_its_kind_and_bad_sizes_are_one_line_errors():
+    from ssl_vit.config import ConfigError, holdout_fraction, load_config
+    from ssl_vit.engine.cli import parse
+
+    _, overrides = parse(["--config", "configs/fmnist_cascade.yaml"], "finetune", "")
+    cfg = load_config("configs/fmnist_cascade.yaml", overrides)
+    assert cfg.objective.kind == "cascade" and holdout_fraction(cfg) == 0.02  # held-out 2%
+    _, overrides = parse(["--config", "configs/fmnist_finetune.yaml"], "finetune", "")
+    assert load_config("configs/fmnist_finetune.yaml", overrides).objective.kind == "finetune"
+    for bad in ("[28, 14]", "[49]", "[]", "7"):
+        with pytest.raises(ConfigError, match="objective.cascade_sizes"):
+            load_config("configs/fmnist_cascade.yaml", [f"objective.cascade_sizes={bad}"])
