@@ -134,16 +134,22 @@ def choose_thresholds(
 
 
 def images_per_second(
-    fn: Callable[[torch.Tensor], object], images: torch.Tensor, batch: int, repeats: int = 3
-) -> float:
-    """Median over `repeats` passes of images/s of `fn` over `images` in batches of `batch`
-    (one untimed warm-up pass on the first batch)."""
+    fns: dict[str, Callable[[torch.Tensor], object]],
+    images: torch.Tensor,
+    batch: int,
+    repeats: int = 3,
+) -> dict[str, float]:
+    """Median images/s of each callable over `images` in batches of `batch`, side by side: the
+    callables take turns within each of `repeats` rounds, so a change in the machine's load
+    hits them alike (one untimed warm-up call each first)."""
+    rates: dict[str, list[float]] = {name: [] for name in fns}
     with torch.no_grad():
-        fn(images[:batch])
-        rates = []
+        for fn in fns.values():
+            fn(images[:batch])
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            for i in range(0, len(images), batch):
-                fn(images[i : i + batch])
-            rates.append(len(images) / (time.perf_counter() - t0))
-    return statistics.median(rates)
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for i in range(0, len(images), batch):
+                    fn(images[i : i + batch])
+                rates[name].append(len(images) / (time.perf_counter() - t0))
+    return {name: statistics.median(r) for name, r in rates.items()}

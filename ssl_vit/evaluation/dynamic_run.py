@@ -101,7 +101,6 @@ def plot(points: list[dict], singles: list[dict], matched: dict | None, path: Pa
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     objective, meta, resolved = load_cascade(args.backbone, args.tracking_uri)
     objective.to(device)
     cascade = objective.cascade
@@ -155,13 +154,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if matched:
         thr = matched["thresholds"]
         xs = norm(test_x[: args.speed_images].to(device).float().div_(255))
-        speed = {
-            "cascade_images_per_s": dynamic.images_per_second(
-                lambda x: cascade.early_exit(x, thr), xs, args.batch_size, args.repeats),
-            "finest_images_per_s": dynamic.images_per_second(
-                lambda x: cascade.stages[-1](x, None), xs, args.batch_size, args.repeats),
-            "batch_size": args.batch_size, "images": len(xs),
-        }  # fmt: skip
+        fns = {"cascade_images_per_s": lambda x: cascade.early_exit(x, thr),
+               "finest_images_per_s": lambda x: cascade.stages[-1](x, None)}  # fmt: skip
+        speed = dynamic.images_per_second(fns, xs, args.batch_size, args.repeats)
+        speed.update({"batch_size": args.batch_size, "images": len(xs), "repeats": args.repeats,
+                      "threads": torch.get_num_threads(), "load_avg": os.getloadavg()})  # fmt: skip
         speed["speedup"] = speed["cascade_images_per_s"] / speed["finest_images_per_s"]
         metrics.update({
             "matched_top1": matched["top1"], "matched_gflops": matched["gflops"],
