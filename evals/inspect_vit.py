@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
             for path in [*summary["pngs"].values(), args.out / "inspect.json"]:
                 tracker.log_artifact(path, artifact_path="inspect")
     log.info("wrote %s", ", ".join(sorted(summary["pngs"].values())))
+    for plot, why in summary.get("not_applicable", {}).items():
+        print(f"{plot}: {why}")
     return summary
 
 

@@ -43,6 +43,7 @@ MPP = "configs/fmnist_vit_tiny_mpp.yaml"
 SUP = "configs/fmnist_vit_tiny_supervised.yaml"
 FT = "configs/fmnist_finetune.yaml"
 SMALL_VIT = '{"embed_dim": 128, "depth": 6, "num_heads": 4}'  # as in the presets
+MIXER = "configs/fmnist_mixer_mpp.yaml"  # an MLP-Mixer of about the ViT's compute
 RANDOM = ["--random-init", "vit_tiny_patch16_224", "--patch-size", "7", "--img-size", "28",
           "--model-kwargs", SMALL_VIT]  # fmt: skip
 
@@ -79,12 +80,12 @@ def _evals(name: str, backbone: list[str]) -> list[Step]:
     ]  # fmt: skip
 
 
-def _finetune(name: str, init: str | None) -> Step:
+def _finetune(name: str, init: str | None, *overrides: str) -> Step:
     run = STUDY / name
     steps = FINETUNE_STEPS if init else SCRATCH_STEPS
     argv = ["evals/finetune.py", "--config", FT, f"run.dir={run}", f"data.root={SHARDS}",
             "train.epochs=null", f"train.steps={steps}", f"optim.warmup_steps={FINETUNE_WARMUP}",
-            f"run.checkpoint_every={CHECKPOINT_EVERY}"]  # fmt: skip
+            f"run.checkpoint_every={CHECKPOINT_EVERY}", *overrides]  # fmt: skip
     if init is None:  # the same ViT from scratch at 42 px, for SCRATCH_STEPS
         argv += ["model.init_from=null", "model.patch_size=7",
                  "model.kwargs={embed_dim: 128, depth: 6, num_heads: 4}"]  # fmt: skip
@@ -128,6 +129,25 @@ def plan() -> list[Step]:
         *_evals("mpp_pixels", ["--backbone", str(STUDY / "mpp_pixels")]),
         # Why the evals pool patch tokens after MPP: the same backbone read at its [class] token.
         *_evals("mpp50_cls", ["--backbone", str(STUDY / "mpp50"), "--pool", "cls"]),
+        # MLP-Mixer beside ViT: same MPP recipe and budget; fine-tuned at 28 px (a Mixer's
+        # token-mixing MLPs fix its token count), so the ViT is also fine-tuned at 28 px.
+        _pretrain("mixer_mpp50", MIXER, py),
+        *_evals("mixer_mpp50", ["--backbone", str(STUDY / "mixer_mpp50")]),
+        _finetune("ft_mixer_mpp50", str(STUDY / "mixer_mpp50"), "model.img_size=28"),
+        _finetune("ft_mpp50_28px", str(STUDY / "mpp50"), "model.img_size=28"),
+        Step(
+            "inspect_mixer_mpp50",
+            [
+                "evals/inspect_vit.py",
+                "--backbone",
+                str(STUDY / "mixer_mpp50"),
+                "--data",
+                SHARDS,
+                "--out",
+                str(STUDY / "inspect_mixer_mpp50"),
+            ],
+            STUDY / "inspect_mixer_mpp50" / "inspect.json",
+        ),  # fmt: skip
     ]
 
 

@@ -136,6 +136,12 @@ def write_report(
         ("MPP, 50% corrupted, 3-bit mean colour", "mpp50", "ft_mpp50"),
         ("supervised pretraining on the labels", "supervised", "ft_supervised"),
         ("no pretraining (fine-tuned from scratch)", None, "ft_scratch"),
+        ("MPP ViT, fine-tuned at 28 px (the Mixer's resolution)", None, "ft_mpp50_28px"),
+        (
+            "MPP MLP-Mixer (D 128, 9 blocks, about the ViT's FLOPs), 28 px",
+            "mixer_mpp50",
+            "ft_mixer_mpp50",
+        ),
     ]
     ablations = [
         ("MPP 50% (paper)", "mpp50"),
@@ -171,7 +177,11 @@ def write_report(
         "",
         "Fine-tuned: test accuracy at the end of the run (and, chosen, that of the epoch with "
         "the best accuracy on a held-out 2% of the training split, which never trains; the "
-        "test split chooses nothing).",
+        "test split chooses nothing). The Mixer has no [class] token (features: the mean of "
+        "its tokens), no position embeddings and no attention (its inspection says the "
+        "attention plots are not applicable); MPP corrupts its patch embeddings after the stem "
+        "as for the ViT (configs/fmnist_mixer_mpp.yaml). It cannot change resolution, so it "
+        "and the ViT beside it are fine-tuned at 28 px.",
         "",
         "## Ablations (paper sec. 4.6 / appendix B.1.2)",
         "",

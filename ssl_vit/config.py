@@ -21,6 +21,8 @@ import yaml
 from ssl_vit.io import atomic_write_text
 from ssl_vit.recipe import MPP, TARGETS
 
+FINETUNE_KINDS = ("finetune", "cascade")  # objectives evals/finetune.py trains
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key and what to do."""
@@ -74,7 +76,8 @@ class ModelConfig:
 
 @dataclass
 class ObjectiveConfig:
-    kind: str = "mpp"  # "mpp", "supervised", "joint" (a*MPP + b*supervised) or "finetune"
+    kind: str = "mpp"  # "mpp", "supervised", "joint" (a*MPP + b*supervised), "finetune" or
+    # "cascade" (Dynamic ViT fine-tuning: ssl_vit.objectives.cascade)
     # MPP: the paper's recipe (ssl_vit.recipe) unless overridden
     corrupt_ratio: float = MPP.corrupt_ratio  # share of patches corrupted
     mask_prob: float = MPP.mask_prob  # of corrupted: [mask] embedding
@@ -84,6 +87,10 @@ class ObjectiveConfig:
     label_smoothing: float = 0.0
     mpp_weight: float = 1.0
     supervised_weight: float = 1.0
+    # cascade: image sizes of the coarser stages (the finest is model.img_size), and the reuses
+    cascade_sizes: Any = (14, 28)
+    feature_reuse: bool = True
+    relation_reuse: bool = True
 
 
 @dataclass
@@ -266,6 +273,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     m, o, t = cfg.model, cfg.objective, cfg.train
     if o.kind not in OBJECTIVES:
         raise ConfigError(f"objective.kind={o.kind!r}: choose one of {', '.join(OBJECTIVES)}")
+    if o.kind == "cascade":
+        _check_cascade_sizes(o.cascade_sizes, m.img_size)
     if cfg.optim.name not in ("adamw", "sgd"):
         raise ConfigError(f"optim.name={cfg.optim.name!r}: choose adamw or sgd")
     if o.target not in TARGETS:
@@ -310,7 +319,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 def holdout_fraction(cfg: Config) -> float:
     """The share of data.split held out of training (data.holdout_fraction resolved)."""
     f = cfg.data.holdout_fraction
-    return float(f) if f is not None else (0.02 if cfg.objective.kind == "finetune" else 0.0)
+    return float(f) if f is not None else (0.02 if cfg.objective.kind in FINETUNE_KINDS else 0.0)
+
+
+def _check_cascade_sizes(sizes: Any, img_size: int) -> None:
+    ok = isinstance(sizes, (list, tuple)) and len(sizes) >= 1
+    ok = ok and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
+    if not ok or list(sizes) != sorted(set(sizes)) or sizes[-1] >= img_size:
+        raise ConfigError(
+            f"objective.cascade_sizes={sizes!r}: give increasing image sizes of the coarser "
+            f"stages, each below model.img_size={img_size}, e.g. [14, 28]"
+        )
 
 
 def local_batch(cfg: Config, world_size: int) -> tuple[int, int, int]:

@@ -38,7 +38,7 @@ POOLS = ("auto", "cls", "mean", "lastn")
 # Objectives whose loss reaches the [class] token. MPP's loss sits on the corrupted patch tokens
 # only (paper sec. 4.6), so after MPP the [class] output is never trained and "auto" pools the
 # patch tokens instead.
-CLS_TRAINING_OBJECTIVES = ("supervised", "joint", "finetune")
+CLS_TRAINING_OBJECTIVES = ("supervised", "joint", "finetune", "cascade")
 CACHE_FORMAT = 1
 DEFAULT_CACHE_DIR = ".cache/features"
 

@@ -67,6 +67,7 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
         "patch_size": kwargs.get("patch_size"),
         "in_chans": spec.in_chans,
         "num_classes": manifest.num_classes,
+        "coarse_sizes": [int(s) for s in o.cascade_sizes],  # the cascade's coarser stages
     }
     wanted = objective_options(o.kind)
     options = {k: v for k, v in available.items() if k in wanted}

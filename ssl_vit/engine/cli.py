@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 
-from ssl_vit.config import ConfigError, load_config, validate
+from ssl_vit.config import FINETUNE_KINDS, ConfigError, load_config, validate
 from ssl_vit.data.manifest import ManifestError
 from ssl_vit.engine.preflight import check_data
 from ssl_vit.logs import setup_logging
@@ -64,12 +64,26 @@ def parse(argv: list[str] | None, kind: str, description: str):
     args = p.parse_intermixed_args(argv)  # key=value overrides may also follow the flags
     overrides = list(args.overrides)
     if kind != "mpp" and not any(o.startswith("objective.kind=") for o in overrides):
-        overrides.insert(0, f"objective.kind={kind}")
+        if not (kind == "finetune" and _preset_kind(args.config) == "cascade"):
+            overrides.insert(0, f"objective.kind={kind}")  # a cascade preset keeps its kind
     if args.data:
         overrides.append(f"data.root={args.data}")
     if getattr(args, "backbone", None):
         overrides.append(f"model.init_from={args.backbone}")
     return args, overrides
+
+
+def _preset_kind(path: str | None) -> str | None:
+    """objective.kind as the preset file says (None if unreadable: load_config reports it)."""
+    if not path:
+        return None
+    import yaml
+
+    try:
+        body = yaml.safe_load(open(path, encoding="utf-8")) or {}
+        return (body.get("objective") or {}).get("kind")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
 
 
 def _world_sizes(text: str | None, world: int) -> list[int]:
@@ -114,8 +128,8 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         if kind == "supervised" and cfg.objective.kind not in ("supervised", "joint"):
             raise ConfigError("supervised_pretrain.py: objective.kind must be supervised or joint")
-        if kind == "finetune" and cfg.objective.kind != "finetune":
-            raise ConfigError("finetune.py: objective.kind must be finetune")
+        if kind == "finetune" and cfg.objective.kind not in FINETUNE_KINDS:
+            raise ConfigError("finetune.py: objective.kind must be finetune or cascade")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size=world)
         if getattr(args, "sweep", None):

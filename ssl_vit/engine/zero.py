@@ -27,9 +27,15 @@ __all__ = ["loose_parameters", "register_loose_parameters", "gathered_loose", "e
 
 
 def loose_parameters(objective: nn.Module) -> list[nn.Parameter]:
-    """The backbone's direct parameters (owned by no submodule whose forward we call)."""
+    """The backbone's direct parameters (owned by no submodule whose forward we call), and
+    whatever else the objective declares through its own `loose_parameters()` (a cascade's
+    stages)."""
     backbone = getattr(objective, "backbone", None)
-    return [] if backbone is None else list(backbone.parameters(recurse=False))
+    params = [] if backbone is None else list(backbone.parameters(recurse=False))
+    declared = getattr(objective, "loose_parameters", None)
+    if callable(declared):
+        params += [p for p in declared() if all(p is not q for q in params)]
+    return params
 
 
 def register_loose_parameters(objective: nn.Module) -> None:

@@ -83,10 +83,11 @@ def log_to_mlflow(
     parent_run_id: str | None = None,
     results_path: str | os.PathLike | None = None,
     tracking_uri: str | None = None,
+    artifacts: tuple[str | os.PathLike, ...] = (),
 ) -> str | None:
     """Log one eval as an MLflow run through the trainer's `Tracker` (one MLflow path: same
     default store, param handling, and a spool when the store is down); returns its id, or None
-    if the store could not be reached."""
+    if the store could not be reached. `artifacts`: files logged beside the results (plots)."""
     from ssl_vit.tracking import Tracker
 
     tags = {"ssl_vit.eval": eval_name}
@@ -105,8 +106,9 @@ def log_to_mlflow(
         ) as tracker:  # fmt: skip
             tracker.log_params(params)
             tracker.log_metrics({_metric_key(k): v for k, v in numeric_metrics(metrics).items()}, 0)
-            if results_path is not None:
-                tracker.log_artifact(results_path)
+            for path in (results_path, *artifacts):
+                if path is not None:
+                    tracker.log_artifact(path)
         return tracker.run_id
     except Exception as e:  # tracking must never lose an eval's result
         print(f"warning: MLflow logging failed ({type(e).__name__}: {e})", file=sys.stderr)

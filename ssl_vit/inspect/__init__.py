@@ -75,8 +75,20 @@ def _embedding_filters(ins: _Inspection, num_filters: int) -> None:
     ins.summary["filter_variance_ratio"] = [round(float(r), 5) for r in ratio]
 
 
+def _not_applicable(ins: _Inspection, names: tuple[str, ...], why: str) -> None:
+    """Say in inspect.json (and the log) which analyses this backbone has nothing for."""
+    ins.summary.setdefault("not_applicable", {}).update(
+        {n: f"not applicable: {why}" for n in names}
+    )
+    log.info("%s: not applicable: %s", " and ".join(names), why)
+
+
 def _position_similarity(ins: _Inspection) -> None:
-    if getattr(ins.model, "pos_embed", None) is None:
+    if getattr(ins.model, "pos_embed", None) is None:  # a Mixer: mixing weights are per position
+        kind = backbone_kind(ins.model)
+        _not_applicable(
+            ins, ("position_similarity",), f"a {kind} backbone has no position embeddings"
+        )
         return
     sim = position_similarity(patch_position_embeddings(ins.model), patch_grid(ins.model))
     ins.save("position", plots.plot_position_similarity(sim, title=ins.prefix),
@@ -86,8 +98,9 @@ def _position_similarity(ins: _Inspection) -> None:
 def _attention(ins: _Inspection, mean, std, batch_size: int, num_show: int) -> None:
     """Mean attention distance per head and depth, and attention rollout (ViTs only)."""
     kind = backbone_kind(ins.model)
-    if kind != "vit":
-        log.info("%s backbone has no attention: skipping distance and rollout", kind)
+    if kind != "vit":  # an MLP-Mixer mixes tokens with MLPs: no attention weights to plot
+        why = f"a {kind} backbone has no attention (token-mixing MLPs)"
+        _not_applicable(ins, ("attention_distance", "attention_rollout"), why)
         return
     images = ins.images01
     m = torch.tensor(mean, dtype=torch.float32, device=ins.device).view(1, -1, 1, 1)

@@ -5,6 +5,8 @@
 - "supervised": SupervisedObjective (sec. 4.1), ssl_vit.objectives.supervised
 - "joint": JointObjective, loss = mpp_weight * MPP + supervised_weight * supervised
 - "finetune": SupervisedObjective with the zero-initialised linear head (appendix B.1.1)
+- "cascade": CascadeObjective, a Dynamic ViT cascade (sum of the stages' cross-entropies),
+  ssl_vit.objectives.cascade
 
 Weight decay: `param_groups(objective, weight_decay)` gives the optimizer's two groups.
 """
@@ -17,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from ssl_vit.objectives.cascade import CascadeObjective
 from ssl_vit.objectives.mpp import MaskedPatchPrediction, MPPPrediction
 from ssl_vit.objectives.param_groups import no_weight_decay_names, param_groups
 from ssl_vit.objectives.supervised import JointObjective, SupervisedObjective
@@ -27,6 +30,7 @@ __all__ = [
     "MPPPrediction",
     "SupervisedObjective",
     "JointObjective",
+    "CascadeObjective",
     "param_groups",
     "no_weight_decay_names",
     "OBJECTIVES",
@@ -54,6 +58,7 @@ OBJECTIVES: dict[str, tuple[Callable[..., nn.Module], tuple[Any, ...]]] = {
     "supervised": (SupervisedObjective, (SupervisedObjective,)),
     "joint": (_joint, (MaskedPatchPrediction, SupervisedObjective, JointObjective)),
     "finetune": (_finetune, (SupervisedObjective,)),
+    "cascade": (CascadeObjective, (CascadeObjective,)),
 }
 
 
@@ -82,6 +87,8 @@ def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
     supervised: num_classes, mean, std (required); label_smoothing=0.0, head_hidden=None.
     joint: the union of both, plus mpp_weight=1.0, supervised_weight=1.0.
     finetune: as supervised, with the zero-initialised linear head (appendix B.1.1).
+    cascade: num_classes, mean, std (required); coarse_sizes=(14, 28), feature_reuse=True,
+        relation_reuse=True, label_smoothing=0.0 (a CascadeViT around the backbone).
     """
     known = objective_options(kind)
     unknown = sorted(set(cfg) - known)
