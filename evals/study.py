@@ -1,44 +1,56 @@
 """The paper's MPP study on Fashion-MNIST (sec. 4.6), as a resumable plan of real commands.
 
-    python evals/study.py run      # every step not done yet, in order (hours on 2 CPU cores)
-    python evals/study.py run --only inspect_mpp50   # just these steps
+    python evals/study.py run      # every step without a result yet, in order (hours on 2 cores)
+    python evals/study.py run --only mpp_e6/knn   # just these steps
     python evals/study.py status   # what is done, what is left
-    python evals/study.py report   # RESULTS.md from the step outputs and their MLflow run ids
+    python evals/study.py report   # RESULTS.md from results/study/ (the committed results)
 
-Run it in the background (`nohup python evals/study.py run > runs/study/study.log 2>&1 &`);
-after a stop, the same command carries on: each step is skipped once its output exists and a
-pretraining step resumes from its own checkpoints. Every method gets the same budget:
-PRETRAIN_STEPS optimizer steps of 256 images, then the same evaluations.
+Run it in the background (`nohup python evals/study.py run > runs/study/study.log 2>&1 &`).
+Each finished step leaves its result in results/study/<step>.json (the command, wall time,
+machine, MLflow run and the JSON the step wrote; a training step's metric lines beside it):
+those files are committed, so a new machine regenerates RESULTS.md and reruns only the steps
+without a result. A step's checkpoints and exports stay in runs/study/ (never committed); a step
+that needs another's export (a fine-tune needs its pretraining) reruns that one first when the
+export is gone. A stopped pretraining or fine-tuning resumes from its own checkpoints.
+
+The budget, the same for every method (equal total compute; every step here costs about the
+same per image, 28 px, 16 tokens): pretraining PRETRAIN_EPOCHS epochs at batch 256, then
+FINETUNE_EPOCHS epochs of fine-tuning at batch 128; from scratch gets the sum, trained with the
+supervised preset's recipe (the stronger from-scratch baseline). A hashed 2% of the training
+split is held out from every training run and makes every choice (lr, best evaluation).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import study_mlflow
-
 ROOT = Path(__file__).resolve().parents[1]
-STUDY = Path("runs/study")
+STUDY = Path("runs/study")  # run directories, checkpoints, exports: never committed
+RESULTS = Path("results/study")  # one JSON per finished step: committed
 SHARDS = "shards/fashion-mnist"
-PRETRAIN_STEPS = 470  # 2 epochs of the 60k training images at batch 256
-FINETUNE_STEPS = 470  # 1 epoch at batch 128, 42 px
-FINETUNE_WARMUP = 50  # the preset's 200 warmup steps would be 40% of so short a run
-# From scratch gets the pretrained runs' total steps (pretraining + fine-tuning): about their
-# compute too, as a 42-px step costs about twice a 28-px one at half the batch.
-SCRATCH_STEPS = PRETRAIN_STEPS + FINETUNE_STEPS
+HOLDOUT = 0.02  # the held-out part of the training split: chooses, never trains
+PRETRAIN_EPOCHS = 6
+SNAPSHOTS = (1, 2, 4, 6)  # pretraining epochs at which the frozen features are evaluated
+FINETUNE_EPOCHS = 2
+SCRATCH_EPOCHS = PRETRAIN_EPOCHS + FINETUNE_EPOCHS  # equal total compute
+SEEDS = (0, 1, 2)  # fine-tuning (and from-scratch) seeds of the main comparison
+FINETUNE_LRS = "0.01,0.03"  # two of the paper's four (B.1.1), for the CPU budget
+FINETUNE = [  # 28 px: the pretraining resolution (16 tokens), for the budget
+    "model.img_size=28", f"train.epochs={FINETUNE_EPOCHS}", "optim.warmup_steps=100",
+    "run.eval_every=235",  # 4 held-out evaluations per run to choose among
+]  # fmt: skip
 BUDGET = (
-    f"every pretraining gets {PRETRAIN_STEPS} steps at batch 256 (2 epochs); fine-tuning "
-    f"{FINETUNE_STEPS} steps at batch 128 and 42 px (1 epoch, {FINETUNE_WARMUP} warmup steps); "
-    f"from scratch {SCRATCH_STEPS} steps at batch 128 and 42 px, the pretrained runs' total"
+    f"pretraining {PRETRAIN_EPOCHS} epochs at batch 256; fine-tuning {FINETUNE_EPOCHS} epochs at "
+    f"batch 128 and 28 px (lr from {{{FINETUNE_LRS}}} on held-out, seed 0); from scratch "
+    f"{SCRATCH_EPOCHS} epochs (the supervised preset's recipe, best evaluation on held-out); "
+    f"{len(SEEDS)} seeds of each fine-tune and of from scratch"
 )
-CHECKPOINT_EVERY = 50  # a stop costs at most a few minutes of a run
+CHECKPOINT_EVERY = 50  # a stop costs at most a minute of a run
 MPP = "configs/fmnist_vit_tiny_mpp.yaml"
 SUP = "configs/fmnist_vit_tiny_supervised.yaml"
 FT = "configs/fmnist_finetune.yaml"
@@ -46,155 +58,122 @@ SMALL_VIT = '{"embed_dim": 128, "depth": 6, "num_heads": 4}'  # as in the preset
 MIXER = "configs/fmnist_mixer_mpp.yaml"  # an MLP-Mixer of about the ViT's compute
 RANDOM = ["--random-init", "vit_tiny_patch16_224", "--patch-size", "7", "--img-size", "28",
           "--model-kwargs", SMALL_VIT]  # fmt: skip
+COMMON = [f"data.root={SHARDS}", f"data.holdout_fraction={HOLDOUT}",
+          f"run.checkpoint_every={CHECKPOINT_EVERY}", "monitor.knn_every=0"]  # fmt: skip
 
 
 @dataclass
 class Step:
     name: str
-    argv: list[str]
-    output: Path  # the step is done when this exists
+    argv: list[str] | Callable[[], list[str]]  # a callable when it reads an earlier result
+    output: Path  # what the command writes last: the step ran when this exists
+    needs: tuple[str, ...] = ()  # steps whose exports (in runs/) this one reads
+    run_dir: Path | None = None  # a training step's run directory (metric lines, sweeps)
+
+    def args(self) -> list[str]:
+        return self.argv() if callable(self.argv) else self.argv
 
     @property
-    def command(self) -> str:
-        return shlex.join(["python", *self.argv])
+    def result(self) -> Path:
+        return RESULTS / f"{self.name}.json"
 
 
 def _pretrain(name: str, config: str, script: str, *overrides: str) -> Step:
     run = STUDY / name
-    argv = [script, "--config", config, f"run.dir={run}", f"data.root={SHARDS}",
-            "train.epochs=null", f"train.steps={PRETRAIN_STEPS}",
-            f"run.checkpoint_every={CHECKPOINT_EVERY}", *overrides]  # fmt: skip
-    return Step(name, argv, run / "export" / "objective.json")
+    snapshots = ",".join(map(str, SNAPSHOTS))
+    argv = [script, "--config", config, f"run.dir={run}", *COMMON,
+            f"train.epochs={PRETRAIN_EPOCHS}", f"run.export_epochs=[{snapshots}]",
+            *overrides]  # fmt: skip
+    return Step(name, argv, run / "export" / "objective.json", run_dir=run)
 
 
-def _evals(name: str, backbone: list[str]) -> list[Step]:
+def _evals(name: str, backbone: list[str], needs: tuple[str, ...] = ()) -> list[Step]:
     out = STUDY / "evals" / name
     common = [*backbone, "--data", SHARDS]
     return [
-        Step(f"{name}/probe", ["evals/linear_probe.py", *common, "--out", f"{out}/probe.json"],
-             out / "probe.json"),
-        Step(f"{name}/knn", ["evals/knn.py", *common, "--out", f"{out}/knn.json"],
-             out / "knn.json"),
-        Step(f"{name}/fewshot", ["evals/fewshot.py", *common, "--out", f"{out}/fewshot.json"],
-             out / "fewshot.json"),
+        Step(f"{name}/{kind}", [f"evals/{script}", *common, "--out", f"{out}/{kind}.json"],
+             out / f"{kind}.json", needs)
+        for kind, script in (("knn", "knn.py"), ("probe", "linear_probe.py"),
+                             ("fewshot", "fewshot.py"))
     ]  # fmt: skip
 
 
-def _finetune(name: str, init: str | None, *overrides: str) -> Step:
-    run = STUDY / name
-    steps = FINETUNE_STEPS if init else SCRATCH_STEPS
-    argv = ["evals/finetune.py", "--config", FT, f"run.dir={run}", f"data.root={SHARDS}",
-            "train.epochs=null", f"train.steps={steps}", f"optim.warmup_steps={FINETUNE_WARMUP}",
-            f"run.checkpoint_every={CHECKPOINT_EVERY}", *overrides]  # fmt: skip
-    if init is None:  # the same ViT from scratch at 42 px, for SCRATCH_STEPS
-        argv += ["model.init_from=null", "model.patch_size=7",
-                 "model.kwargs={embed_dim: 128, depth: 6, num_heads: 4}"]  # fmt: skip
-    else:
-        argv += [f"model.init_from={init}"]
-    return Step(name, argv, run / "results.json")
-
-
-def plan() -> list[Step]:
-    """In order of what matters most, so a partial study still answers the main question."""
-    py = "pipelines/mpp_pretrain.py"
+def _snapshot_evals(pretrain: str, epochs: tuple[int, ...] = SNAPSHOTS) -> list[Step]:
     return [
-        _pretrain("mpp50", MPP, py),
-        *_evals("mpp50", ["--backbone", str(STUDY / "mpp50")]),
-        # The paper's "inspecting ViT" figures (sec. 4.5) for the MPP backbone.
-        Step(
-            "inspect_mpp50",
-            [
-                "evals/inspect_vit.py",
-                "--backbone",
-                str(STUDY / "mpp50"),
-                "--data",
-                SHARDS,
-                "--out",
-                str(STUDY / "inspect_mpp50"),
-            ],
-            STUDY / "inspect_mpp50" / "inspect.json",
-        ),
-        *_evals("pixels", ["--raw-pixels"]),
-        *_evals("random", RANDOM),
-        _pretrain("supervised", SUP, "pipelines/supervised_pretrain.py"),
-        _finetune("ft_mpp50", str(STUDY / "mpp50")),
-        _finetune("ft_scratch", None),
-        *_evals("supervised", ["--backbone", str(STUDY / "supervised")]),
-        _pretrain("mpp15", MPP, py, "objective.corrupt_ratio=0.15"),
-        *_evals("mpp15", ["--backbone", str(STUDY / "mpp15")]),
-        _finetune("ft_supervised", str(STUDY / "supervised")),
-        _pretrain("mpp_downsized", MPP, py, "objective.target=downsized_color"),
-        *_evals("mpp_downsized", ["--backbone", str(STUDY / "mpp_downsized")]),
-        _pretrain("mpp_pixels", MPP, py, "objective.target=pixels"),
-        *_evals("mpp_pixels", ["--backbone", str(STUDY / "mpp_pixels")]),
-        # Why the evals pool patch tokens after MPP: the same backbone read at its [class] token.
-        *_evals("mpp50_cls", ["--backbone", str(STUDY / "mpp50"), "--pool", "cls"]),
-        # MLP-Mixer beside ViT: same MPP recipe and budget; fine-tuned at 28 px (a Mixer's
-        # token-mixing MLPs fix its token count), so the ViT is also fine-tuned at 28 px.
-        _pretrain("mixer_mpp50", MIXER, py),
-        *_evals("mixer_mpp50", ["--backbone", str(STUDY / "mixer_mpp50")]),
-        _finetune("ft_mixer_mpp50", str(STUDY / "mixer_mpp50"), "model.img_size=28"),
-        _finetune("ft_mpp50_28px", str(STUDY / "mpp50"), "model.img_size=28"),
-        Step(
-            "inspect_mixer_mpp50",
-            [
-                "evals/inspect_vit.py",
-                "--backbone",
-                str(STUDY / "mixer_mpp50"),
-                "--data",
-                SHARDS,
-                "--out",
-                str(STUDY / "inspect_mixer_mpp50"),
-            ],
-            STUDY / "inspect_mixer_mpp50" / "inspect.json",
-        ),  # fmt: skip
+        step
+        for e in epochs
+        for step in _evals(
+            f"{pretrain}_e{e}",
+            ["--backbone", str(STUDY / pretrain / f"export_epoch{e}")],
+            (pretrain,),
+        )
     ]
 
 
-def _timings() -> dict[str, float]:
-    path = STUDY / "steps.jsonl"
-    if not path.is_file():
-        return {}
-    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln]
-    return {r["name"]: r["seconds"] for r in rows if r["returncode"] == 0}
+def chosen_lr(sweep_step: str) -> float:
+    """The fine-tuning lr seed 0's sweep chose on held-out data (its committed result)."""
+    res = json.loads((RESULTS / f"{sweep_step}.json").read_text())["result"]
+    return res["chosen"]["optim.lr"]
 
 
-def run(only: list[str] | None = None) -> int:
-    steps = plan()
-    unknown = set(only or ()) - {s.name for s in steps}
-    if unknown:
-        print(f"study.py: no step named {sorted(unknown)}; see `study.py status`", file=sys.stderr)
-        return 2
-    STUDY.mkdir(parents=True, exist_ok=True)
-    (STUDY / "logs").mkdir(exist_ok=True)
-    parents = study_mlflow.parents(STUDY, ROOT)  # one MLflow parent run per method
-    for step in steps:
-        if step.output.exists() or (only and step.name not in only):
-            continue
-        log = STUDY / "logs" / f"{step.name.replace('/', '-')}.log"
-        print(f"[study] {step.name}: {step.command}  (log: {log})", flush=True)
-        t0 = time.time()
-        with open(log, "a") as f:
-            env = study_mlflow.parent_env(parents, step.name)  # the step's run nests under it
-            rc = subprocess.call(
-                [sys.executable, *step.argv], cwd=ROOT, stdout=f, stderr=f, env=env
-            )
-        seconds = time.time() - t0
-        with open(STUDY / "steps.jsonl", "a") as f:
-            f.write(json.dumps({"name": step.name, "returncode": rc, "seconds": seconds}) + "\n")
-        if rc != 0:
-            print(f"[study] {step.name} failed (exit {rc}); see {log}", flush=True)
-            return rc
-        study_mlflow.log_step(parents, step.name, step.output)
-    done = "the steps asked for" if only else "all steps"
-    print(f"[study] {done} done; python evals/study.py report", flush=True)
-    return 0
+def _finetune(pretrain: str, seed: int) -> Step:
+    name, run = f"ft_{pretrain}_s{seed}", STUDY / f"ft_{pretrain}_s{seed}"
+    base = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *FINETUNE,
+            f"model.init_from={STUDY / pretrain}", f"run.seed={seed}"]  # fmt: skip
+    if seed == SEEDS[0]:  # the lr sweep; the other seeds reuse its choice
+        return Step(name, [*base, "--sweep", f"optim.lr={FINETUNE_LRS}"], run / "results.json",
+                    (pretrain,), run)  # fmt: skip
+    argv = lambda: [*base, f"optim.lr={chosen_lr(f'ft_{pretrain}_s{SEEDS[0]}')}"]  # noqa: E731
+    return Step(name, argv, run / "results.json", (pretrain,), run)
 
 
-def status() -> int:
-    for step in plan():
-        print(("done " if step.output.exists() else "todo ") + step.name)
-    return 0
+def _scratch(seed: int) -> Step:
+    run = STUDY / f"scratch_s{seed}"
+    argv = ["pipelines/supervised_pretrain.py", "--config", SUP, f"run.dir={run}", *COMMON,
+            f"train.epochs={SCRATCH_EPOCHS}", f"run.seed={seed}"]  # fmt: skip
+    return Step(f"scratch_s{seed}", argv, run / "results.json", run_dir=run)
+
+
+def _inspect(pretrain: str) -> Step:
+    out = STUDY / f"inspect_{pretrain}"
+    argv = ["evals/inspect_vit.py", "--backbone", str(STUDY / pretrain), "--data", SHARDS,
+            "--out", str(out)]  # fmt: skip
+    return Step(f"inspect_{pretrain}", argv, out / "inspect.json", (pretrain,))
+
+
+def plan() -> list[Step]:
+    """In order of what matters most, so a partial study still answers the main questions."""
+    py, sup_py = "pipelines/mpp_pretrain.py", "pipelines/supervised_pretrain.py"
+    main_comparison = [
+        step
+        for seed in SEEDS
+        for step in (_finetune("mpp", seed), _finetune("supervised", seed), _scratch(seed))
+    ]
+    return [
+        _pretrain("mpp", MPP, py),
+        *_snapshot_evals("mpp", (PRETRAIN_EPOCHS,)),
+        *_evals("random", RANDOM),
+        *_evals("pixels", ["--raw-pixels"]),
+        _pretrain("supervised", SUP, sup_py),
+        *main_comparison[:3],  # seed 0 of each: the lr sweeps
+        *_snapshot_evals("mpp", SNAPSHOTS[:-1]),  # the curve against pretraining length
+        *_snapshot_evals("supervised", (PRETRAIN_EPOCHS,)),
+        *main_comparison[3:],
+        _inspect("mpp"),
+        # Ablations (single seed): the corruption rate and the target (sec. 4.6, B.1.2), the
+        # [class] token read-out, and an MLP-Mixer beside the ViT under the same recipe.
+        _pretrain("mpp15", MPP, py, "objective.corrupt_ratio=0.15"),
+        *_snapshot_evals("mpp15", (PRETRAIN_EPOCHS,)),
+        _pretrain("mpp_downsized", MPP, py, "objective.target=downsized_color"),
+        *_snapshot_evals("mpp_downsized", (PRETRAIN_EPOCHS,)),
+        _pretrain("mpp_pixels", MPP, py, "objective.target=pixels"),
+        *_snapshot_evals("mpp_pixels", (PRETRAIN_EPOCHS,)),
+        *_evals("mpp_cls", ["--backbone", str(STUDY / "mpp"), "--pool", "cls"], ("mpp",)),
+        _pretrain("mixer", MIXER, py),
+        *_snapshot_evals("mixer", (PRETRAIN_EPOCHS,)),
+        _finetune("mixer", SEEDS[0]),
+        _inspect("mixer"),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,13 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=("run", "status", "report"))
     p.add_argument("--only", nargs="+", metavar="STEP", help="run: just these steps (by name)")
     args = p.parse_args(argv)
+    steps = plan()
     if args.action == "report":
         from study_report import write_report
 
-        write_report(plan(), _timings(), STUDY, ROOT / "RESULTS.md", BUDGET)
+        write_report(steps, RESULTS, ROOT / "RESULTS.md", BUDGET)
         print("wrote RESULTS.md")
         return 0
-    return run(args.only) if args.action == "run" else status()
+    if args.action == "status":
+        for step in steps:
+            print(("done " if (ROOT / step.result).is_file() else "todo ") + step.name)
+        return 0
+    from study_run import run
+
+    return run(steps, ROOT, STUDY, args.only)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from ssl_vit.tracking.nesting import PARENT_ENV, ParentRuns
@@ -24,11 +25,11 @@ HEADLINE = {  # step kind -> (key in its output JSON, metric name on the parent)
 
 
 def method_of(step_name: str) -> str:
-    """mpp50, mpp50/probe, ft_mpp50, inspect_mpp50 -> mpp50; ft_scratch -> scratch."""
+    """mpp, mpp_e2/probe, ft_mpp_s1, inspect_mpp -> mpp; scratch_s0, ft_scratch -> scratch."""
     top = step_name.split("/")[0]
     for prefix in ("ft_", "inspect_"):
         top = top.removeprefix(prefix)
-    return top
+    return re.sub(r"_[es]\d+$", "", top)
 
 
 def parents(study: Path, root: Path) -> ParentRuns:
@@ -56,6 +57,6 @@ def log_step(runs: ParentRuns, step_name: str, output: Path) -> None:
     for key, name in HEADLINE.get(kind, []):
         if key in res.get("metrics", {}):
             metrics[name] = res["metrics"][key]
-    if "final_top1" in res:  # a fine-tuning run's results.json
-        metrics.update(finetune_top1=res["final_top1"], finetune_best_top1=res["best_top1"])
+    if res.get("selected_top1") is not None:  # a training run's results.json
+        metrics["finetune_top1"] = res["selected_top1"]
     runs.log_metrics(method_of(step_name), metrics)

@@ -34,6 +34,9 @@ class RunConfig:
     seed: int = 0
     checkpoint_every: int = 500  # steps between checkpoints (one is always written at the end)
     keep_checkpoints: int = 2  # the last K complete checkpoints are kept
+    # Epochs after which the backbone is also exported to RUN/export_epoch<E>/: snapshots of one
+    # run for accuracy-against-pretraining-length curves (evals/study.py).
+    export_epochs: list[int] = field(default_factory=list)
     log_every: int = 20  # steps between metric lines / MLflow points
     max_nonfinite_steps: int = 5  # stop after this many non-finite losses in a row
     eval_every: int = 0  # steps between classifier evaluations; 0: at each epoch's end
@@ -182,6 +185,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         str: lambda v: isinstance(v, str),
         dict: lambda v: isinstance(v, dict),
         tuple: lambda v: isinstance(v, (list, tuple)) and len(v) == len(get_args(hint)),
+        list: lambda v: isinstance(v, (list, tuple)) and all(ok[get_args(hint)[0]](x) for x in v),
     }
     if hint is Any:
         return value
@@ -197,6 +201,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return float(value)
     if origin is tuple:
         return tuple(float(v) for v in value)
+    if origin is list:
+        return list(value)
     return value
 
 

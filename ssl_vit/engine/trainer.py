@@ -379,11 +379,22 @@ def train(cfg: Config, header: str = "") -> Path:
             evals.maybe_run(s.engine.module, n.step, tracker)
             if n.step % cfg.run.checkpoint_every == 0 or n.step == s.total_steps:
                 _save_checkpoint(s, n, evals)
+            _export_snapshot(s, tracker, n.step)
         progress.close()
         export_dir = _finish(s, tracker, evals, n)
     barrier()
     sys.stdout.flush()
     return export_dir
+
+
+def _export_snapshot(s: _Setup, tracker: Tracker, step: int) -> None:
+    """RUN/export_epoch<E>/ once `step` ends epoch E of `run.export_epochs` (every rank)."""
+    per_epoch = s.loader.steps_per_epoch
+    for epoch in s.cfg.run.export_epochs:
+        if step == min(s.total_steps, epoch * per_epoch):
+            extra = {"mlflow_run_id": tracker.run_id, "step": step, "epoch": epoch,
+                     "objective": s.cfg.objective.kind}  # fmt: skip
+            s.export(s.run_dir / f"export_epoch{epoch}", extra)
 
 
 def _count_step(n: Counters, finite: bool, applied: bool, max_in_row: int, ckpt_dir: Path):

@@ -1,0 +1,132 @@
+"""Running the study's steps: skip what has a result, rerun a missing export first, record.
+
+A step's result (results/study/<step>.json) holds the command, its wall time, the machine, the
+git commit, the MLflow run id and the JSON the step wrote (for a pretraining: its last metric
+line); a training step's metric lines are copied beside it (<step>.metrics.jsonl) for the
+report's curves. The file is written atomically, last: a step with a result is finished.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import study_mlflow
+
+from ssl_vit.io import atomic_write_text
+from ssl_vit.perf import describe_machine
+
+
+def _git_commit(root: Path) -> str | None:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def _metric_lines(run_dir: Path, output: dict) -> Path | None:
+    """The run's metric lines: a sweep's are those of the value it chose."""
+    chosen = output.get("chosen_run_dir")
+    path = (Path(chosen) if chosen else run_dir) / "metrics.jsonl"
+    return path if path.is_file() else None
+
+
+def _read_output(step, root: Path) -> dict:
+    path = root / step.output
+    if path.suffix == ".json" and path.name != "objective.json":
+        return json.loads(path.read_text())
+    # a pretraining: its in-training results (supervised) and its last metric line
+    run = root / step.run_dir
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    out = {"last_metrics": json.loads(lines[-1]) if lines else None}
+    if (run / "results.json").is_file():
+        out.update(json.loads((run / "results.json").read_text()))
+    return out
+
+
+def record(step, root: Path, seconds: float | None) -> dict:
+    """Write the step's result (and metric lines) under results/study/."""
+    output = _read_output(step, root)
+    run_id = output.get("mlflow_run_id")
+    if run_id is None and step.run_dir and (root / step.run_dir / "mlflow_run_id").is_file():
+        run_id = (root / step.run_dir / "mlflow_run_id").read_text().strip()
+    result = {
+        "step": step.name,
+        "command": shlex_join(step.args()),
+        "seconds": seconds,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": _git_commit(root),
+        "machine": describe_machine(),
+        "mlflow_run_id": run_id,
+        "result": output,
+    }
+    dest = root / step.result
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if step.run_dir is not None:
+        lines = _metric_lines(root / step.run_dir, output)
+        if lines is not None:
+            tmp = dest.with_suffix(".metrics.jsonl.tmp")
+            shutil.copyfile(lines, tmp)
+            tmp.replace(dest.with_suffix(".metrics.jsonl"))
+    atomic_write_text(dest, json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def shlex_join(argv: list[str]) -> str:
+    import shlex
+
+    return shlex.join(["python", *argv])
+
+
+def _execute(step, root: Path, study: Path, parents) -> int:
+    log = root / study / "logs" / f"{step.name.replace('/', '-')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    argv = step.args()
+    print(f"[study] {step.name}: {shlex_join(argv)}  (log: {log})", flush=True)
+    t0 = time.time()
+    with open(log, "a") as f:
+        env = study_mlflow.parent_env(parents, step.name)  # the step's run nests under it
+        rc = subprocess.call([sys.executable, *argv], cwd=root, stdout=f, stderr=f, env=env)
+    seconds = time.time() - t0
+    if rc != 0:
+        print(f"[study] {step.name} failed (exit {rc}); see {log}", flush=True)
+        return rc
+    record(step, root, seconds)
+    study_mlflow.log_step(parents, step.name, root / step.output)
+    return 0
+
+
+def _ensure(step, by_name: dict, root: Path, study: Path, parents) -> int:
+    """Run the steps whose exports `step` reads, where those exports are gone."""
+    for need in step.needs:
+        dep = by_name[need]
+        if not (root / dep.output).is_file():
+            print(f"[study] {step.name} needs {need}'s export: running {need} again", flush=True)
+            rc = _ensure(dep, by_name, root, study, parents) or _execute(dep, root, study, parents)
+            if rc:
+                return rc
+    return 0
+
+
+def run(steps: list, root: Path, study: Path, only: list[str] | None = None) -> int:
+    by_name = {s.name: s for s in steps}
+    unknown = set(only or ()) - set(by_name)
+    if unknown:
+        print(f"study.py: no step named {sorted(unknown)}; see `study.py status`", file=sys.stderr)
+        return 2
+    parents = study_mlflow.parents(root / study, root)  # one MLflow parent run per method
+    for step in steps:
+        if (root / step.result).is_file() or (only and step.name not in only):
+            continue
+        rc = _ensure(step, by_name, root, study, parents)
+        if not rc and (root / step.output).is_file():  # ran before, not recorded: record
+            record(step, root, None)
+            continue
+        rc = rc or _execute(step, root, study, parents)
+        if rc:
+            return rc
+    done = "the steps asked for" if only else "all steps"
+    print(f"[study] {done} done; python evals/study.py report", flush=True)
+    return 0
