@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "report":
         from study_report import write_report
 
-        write_report(steps, RESULTS, ROOT / "RESULTS.md", BUDGET)
+        write_report(steps, RESULTS, ROOT / "RESULTS.md", BUDGET, STUDY, SNAPSHOTS, SEEDS)
         print("wrote RESULTS.md")
         return 0
     if args.action == "status":

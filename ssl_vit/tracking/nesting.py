@@ -83,3 +83,14 @@ class ParentRuns:
             client.log_batch(rid, metrics=rows)
         except Exception as e:
             log.warning("MLflow store %s: metrics of %s not logged (%s)", self.uri, name, e)
+
+    def log_artifacts(self, name: str, paths: list[Path]) -> None:
+        """Files (figures) on the parent run of `name` (best effort, like the metrics)."""
+        if name not in self.runs:
+            return
+        try:
+            client, rid = self._client(), self.runs[name]["run_id"]
+            for path in paths:
+                client.log_artifact(rid, str(path))
+        except Exception as e:
+            log.warning("MLflow store %s: artifacts of %s not logged (%s)", self.uri, name, e)
