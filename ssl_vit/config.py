@@ -196,6 +196,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             pass
     if not ok[origin](value) or (origin is tuple and not all(ok[float](v) for v in value)):
         want = getattr(hint, "__name__", str(hint))
+        if origin is list:
+            want = f"list of {get_args(hint)[0].__name__} (e.g. [1, 2, 4])"
         raise ConfigError(f"config key {key!r}: {value!r} is not a valid {want}")
     if origin is float:
         return float(value)

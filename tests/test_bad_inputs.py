@@ -78,6 +78,8 @@ ROWS = [
      "unknown config key 'train.stepz'; known keys here: train.global_batch"),
     ("config-value-wrong-type", [MPP, *PRE, "optim.lr=abc"], 2,
      "config key 'optim.lr': 'abc' is not a valid float"),
+    ("config-list-given-a-number", [MPP, *PRE, "run.export_epochs=3"], 2,
+     "config key 'run.export_epochs': 3 is not a valid list of int (e.g. [1, 2, 4])"),
     ("section-given-a-value", [MPP, *PRE, "run=3"], 2,
      "config key 'run' is a section; give a mapping"),
     ("override-not-key-value", [MPP, *PRE, "train.steps"], 2,

@@ -249,7 +249,8 @@ def test_finetune_at_higher_resolution_beats_its_start(tiny_shards, tmp_path):
     ]
     proc = run_cli(
         ["evals/finetune.py", "--config", "configs/fmnist_finetune.yaml", "--backbone", str(pre),
-         *args, "model.img_size=24", "optim.lr=0.05", "optim.warmup_steps=4"]
+         *args, "model.img_size=24", "optim.lr=0.05", "optim.warmup_steps=4",
+         "run.export_epochs=[1,2]"]
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((ft / "results.json").read_text())
@@ -268,6 +269,11 @@ def test_finetune_at_higher_resolution_beats_its_start(tiny_shards, tmp_path):
     meta = json.loads((ft / "export_best" / "backbone.json").read_text())
     assert meta["kwargs"]["img_size"] == 24 and meta["token_grid"] == [6, 6]
     assert meta["step"] == result["best_step"] and meta["selection_split"] == "holdout"
+    # Snapshots for a curve against training length: the weights at the end of epochs 1 and 2.
+    for epoch in (1, 2):
+        snap = json.loads((ft / f"export_epoch{epoch}" / "backbone.json").read_text())
+        assert snap["step"] == steps_per_epoch * epoch and snap["epoch"] == epoch
+    assert not (ft / "export_epoch3").exists()
 
 
 def _assert_chosen_on_selection_split(result: dict) -> None:

@@ -1,0 +1,119 @@
+"""The study runner and its report: a step with a committed result is never rerun, a missing
+export is rebuilt first, results carry what a reader needs, and the report's statistics and
+goal checks follow from the result files (real subprocesses and a real MLflow SQLite store)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "evals"))
+
+import study  # noqa: E402
+import study_mlflow  # noqa: E402
+import study_report  # noqa: E402
+import study_run  # noqa: E402
+
+WRITE = "import json, sys, pathlib; p = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True); p.write_text(json.dumps({'metrics': {'v': 1}})); open(sys.argv[2], 'a').write('x')"  # noqa: E501
+
+
+def _step(name: str, tmp: Path, needs: tuple[str, ...] = ()) -> study.Step:
+    out = Path("runs/study") / name / "out.json"
+    argv = ["-c", WRITE, str(tmp / out), str(tmp / "calls" / name.replace("/", "-"))]
+    return study.Step(name, argv, out, needs)
+
+
+def _calls(tmp: Path, name: str) -> int:
+    path = tmp / "calls" / name
+    return len(path.read_text()) if path.is_file() else 0
+
+
+def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (tmp_path / "calls").mkdir()
+    steps = [_step("pre", tmp_path), _step("pre_e1/knn", tmp_path, ("pre",))]
+    assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre") == 1 and _calls(tmp_path, "pre_e1-knn") == 1
+    res = json.loads((tmp_path / "results/study/pre_e1/knn.json").read_text())
+    assert res["result"] == {"metrics": {"v": 1}} and res["seconds"] > 0
+    assert res["command"].startswith("python -c") and res["machine"]
+    # Everything has a result: a rerun runs nothing.
+    assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre") == 1 and _calls(tmp_path, "pre_e1-knn") == 1
+    # A new machine: results committed, runs/ gone, one result missing. Only that step runs,
+    # after the step whose export it reads.
+    for p in (tmp_path / "runs").rglob("*.json"):
+        p.unlink()
+    (tmp_path / "results/study/pre_e1/knn.json").unlink()
+    assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre") == 2 and _calls(tmp_path, "pre_e1-knn") == 2
+    # Output there but no result (stopped between the two): recorded without rerunning.
+    (tmp_path / "results/study/pre_e1/knn.json").unlink()
+    assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre_e1-knn") == 2
+    assert (tmp_path / "results/study/pre_e1/knn.json").is_file()
+
+
+def test_a_failed_step_leaves_no_result_and_stops_the_study(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    bad = study.Step("bad", ["-c", "raise SystemExit(3)"], Path("runs/study/bad/out.json"))
+    later = _step("later", tmp_path)
+    (tmp_path / "calls").mkdir()
+    assert study_run.run([bad, later], tmp_path, Path("runs/study")) == 3
+    assert not (tmp_path / "results/study/bad.json").exists() and _calls(tmp_path, "later") == 0
+
+
+def test_plan_seeds_reuse_the_lr_seed_0_chose(tmp_path, monkeypatch):
+    names = [s.name for s in study.plan()]
+    assert len(names) == len(set(names))
+    for arm in ("ft_mpp", "ft_supervised", "scratch"):
+        assert all(f"{arm}_s{s}" in names for s in study.SEEDS)
+    sweep = next(s for s in study.plan() if s.name == "ft_mpp_s0")
+    assert "--sweep" in sweep.args() and "run.seed=0" in sweep.args()
+    monkeypatch.setattr(study, "RESULTS", tmp_path)
+    (tmp_path / "ft_mpp_s0.json").write_text(json.dumps({"result": {"chosen": {"optim.lr": 0.03}}}))
+    seed1 = next(s for s in study.plan() if s.name == "ft_mpp_s1")
+    assert "optim.lr=0.03" in seed1.args() and "--sweep" not in seed1.args()
+    assert study_mlflow.method_of("ft_mpp_s1") == study_mlflow.method_of("mpp_e2/knn") == "mpp"
+    assert study_mlflow.method_of("scratch_s2") == "scratch"
+
+
+def _write(root: Path, name: str, result: dict) -> None:
+    path = root / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"result": result, "machine": "m", "command": "c", "seconds": 60}))
+
+
+def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    res = tmp_path / "results/study"
+    sweep = {"chosen": {"optim.lr": 0.01}, "selected_top1": 0.90,
+             "runs": [{"value": 0.01, "selection_best_top1": 0.91},
+                      {"value": 0.03, "selection_best_top1": 0.89}]}  # fmt: skip
+    _write(res, "ft_mpp_s0", sweep)
+    _write(res, "ft_mpp_s1", {"selected_top1": 0.92})
+    _write(res, "ft_mpp_s2", {"selected_top1": 0.94})
+    for s, v in enumerate((0.88, 0.885, 0.89)):
+        _write(res, f"scratch_s{s}", {"selected_top1": v})
+    for e, v in ((0, None), (1, 0.70), (2, 0.75), (4, 0.80), (6, 0.85)):
+        name = "random" if e == 0 else f"mpp_e{e}"
+        acc = 0.60 if v is None else v
+        _write(res, f"{name}/knn", {"metrics": {study_report.KNN: acc}})
+        _write(res, f"{name}/probe", {"metrics": {study_report.PROBE: acc + 0.01}})
+    few = {f"fewshot_{n}shot_mean": a for n, a in zip((1, 5, 10, 25), (0.5, 0.4, 0.6, 0.7))}
+    _write(res, "pixels/fewshot", {"metrics": few})
+    out = tmp_path / "RESULTS.md"
+    study_report.write_report([], Path("results/study"), out, "budget", Path("runs/study"),
+                              (1, 2, 4, 6), (0, 1, 2))  # fmt: skip
+    text = out.read_text()
+    assert "| 92.00 ± 2.00 (n=3) | 90.00, 92.00, 94.00 | 0.01 (held-out top-1 0.01: 91.00" in text
+    assert "| MPP minus from scratch | >= +1.0 and > 2 std | +3.50 (2 std = 4.00) | no |" in text
+    assert "| MPP fine-tuned, mean of seeds | >= 93.0 | 92.00 | no |" in text
+    # rising and 10+ above random, but below the 87 goal
+    assert "6 ep 85.0; random 60.0 | no |" in text
+    assert "| 50.0 / 40.0 / 60.0 / 70.0 | no |" in text  # few-shot falls from 1 to 5 shots
+    assert (res / "pretraining_curve.png").stat().st_size > 1000
+    assert "](results/study/pretraining_curve.png)" in text
