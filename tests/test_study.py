@@ -103,7 +103,8 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
         acc = 0.60 if v is None else v
         _write(res, f"{name}/knn", {"metrics": {study_report.KNN: acc}})
         _write(res, f"{name}/probe", {"metrics": {study_report.PROBE: acc + 0.01}})
-    few = {f"fewshot_{n}shot_mean": a for n, a in zip((1, 5, 10, 25), (0.5, 0.4, 0.6, 0.7))}
+    accs = (0.5, 0.4, 0.6, 0.7)
+    few = {f"fewshot_{n}shot_mean": a for n, a in zip((1, 5, 10, 25), accs, strict=True)}
     _write(res, "pixels/fewshot", {"metrics": few})
     out = tmp_path / "RESULTS.md"
     study_report.write_report([], Path("results/study"), out, "budget", Path("runs/study"),
