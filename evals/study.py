@@ -55,6 +55,7 @@ MPP = "configs/fmnist_vit_tiny_mpp.yaml"
 SUP = "configs/fmnist_vit_tiny_supervised.yaml"
 FT = "configs/fmnist_finetune.yaml"
 SMALL_VIT = '{"embed_dim": 128, "depth": 6, "num_heads": 4}'  # as in the presets
+CASCADE = "configs/fmnist_cascade.yaml"  # Dynamic ViT: 2x2, 4x4, 7x7 tokens
 MIXER = "configs/fmnist_mixer_mpp.yaml"  # an MLP-Mixer of about the ViT's compute
 RANDOM = ["--random-init", "vit_tiny_patch16_224", "--patch-size", "7", "--img-size", "28",
           "--model-kwargs", SMALL_VIT]  # fmt: skip
@@ -69,6 +70,7 @@ class Step:
     output: Path  # what the command writes last: the step ran when this exists
     needs: tuple[str, ...] = ()  # steps whose exports (in runs/) this one reads
     run_dir: Path | None = None  # a training step's run directory (metric lines, sweeps)
+    figures: tuple[str, ...] = ()  # PNGs beside the output, committed with the result
 
     def args(self) -> list[str]:
         return self.argv() if callable(self.argv) else self.argv
@@ -134,11 +136,32 @@ def _scratch(seed: int) -> Step:
     return Step(f"scratch_s{seed}", argv, run / "results.json", run_dir=run)
 
 
+def _cascade(name: str, *overrides: str) -> list[Step]:
+    """A Dynamic ViT fine-tuned from the MPP export (lr: seed 0's choice for MPP fine-tuning),
+    then its exit thresholds chosen on held-out and measured on test."""
+    run, out = STUDY / name, STUDY / "evals" / name
+    base = ["evals/finetune.py", "--config", CASCADE, f"run.dir={run}", *COMMON,
+            f"train.epochs={FINETUNE_EPOCHS}", "optim.warmup_steps=100", "run.eval_every=235",
+            f"model.init_from={STUDY / 'mpp'}", *overrides]  # fmt: skip
+    argv = lambda: [*base, f"optim.lr={chosen_lr(f'ft_mpp_s{SEEDS[0]}')}"]  # noqa: E731
+    dynamic = ["evals/dynamic_vit.py", "--backbone", str(run), "--data", SHARDS, "--out", str(out)]
+    return [
+        Step(name, argv, run / "results.json", ("mpp",), run),
+        Step(f"{name}/dynamic", dynamic, out / "results.json", (name,),
+             figures=("accuracy_vs_gflops.png",)),
+    ]  # fmt: skip
+
+
+INSPECT_FIGURES = ("mpp_predictions.png", "position_similarity.png", "attention_distance.png",
+                   "embedding_filters.png", "attention_rollout.png")  # fmt: skip
+
+
 def _inspect(pretrain: str) -> Step:
     out = STUDY / f"inspect_{pretrain}"
     argv = ["evals/inspect_vit.py", "--backbone", str(STUDY / pretrain), "--data", SHARDS,
             "--out", str(out)]  # fmt: skip
-    return Step(f"inspect_{pretrain}", argv, out / "inspect.json", (pretrain,))
+    return Step(f"inspect_{pretrain}", argv, out / "inspect.json", (pretrain,),
+                figures=INSPECT_FIGURES)  # fmt: skip
 
 
 def plan() -> list[Step]:
@@ -160,6 +183,10 @@ def plan() -> list[Step]:
         *_snapshot_evals("supervised", (PRETRAIN_EPOCHS,)),
         *main_comparison[3:],
         _inspect("mpp"),
+        # Dynamic ViT (issue 15): the cascade, then each reuse switched off alone.
+        *_cascade("cascade"),
+        *_cascade("cascade_no_feature_reuse", "objective.feature_reuse=false"),
+        *_cascade("cascade_no_relation_reuse", "objective.relation_reuse=false"),
         # Ablations (single seed): the corruption rate and the target (sec. 4.6, B.1.2), the
         # [class] token read-out, and an MLP-Mixer beside the ViT under the same recipe.
         _pretrain("mpp15", MPP, py, "objective.corrupt_ratio=0.15"),

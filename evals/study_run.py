@@ -70,6 +70,12 @@ def record(step, root: Path, seconds: float | None) -> dict:
             tmp = dest.with_suffix(".metrics.jsonl.tmp")
             shutil.copyfile(lines, tmp)
             tmp.replace(dest.with_suffix(".metrics.jsonl"))
+    for name in step.figures:  # e.g. results/study/inspect_mpp.attention_distance.png
+        src = root / step.output.parent / name
+        if src.is_file():
+            fig = dest.parent / f"{dest.stem}.{name}"
+            shutil.copyfile(src, fig.with_suffix(".tmp"))
+            fig.with_suffix(".tmp").replace(fig)
     atomic_write_text(dest, json.dumps(result, indent=2) + "\n")
     return result
 
