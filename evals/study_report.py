@@ -195,6 +195,44 @@ def _goals(r: Results, arms: dict[str, list[str]], epochs: tuple[int, ...]) -> l
     return lines
 
 
+def _dynamic(r: Results, root: Path, results: Path) -> list[str]:
+    """Dynamic ViT: the operating point chosen on held-out, on test, against the finest stage."""
+    lines = ["", "## Dynamic ViT (issue 15): 2x2, 4x4, 7x7 tokens, fine-tuned from MPP", "",
+             "The operating point is the least compute whose held-out accuracy reaches the finest "
+             "stage's (thresholds chosen on held-out, never on test). Goals: the finest stage's "
+             "accuracy at <= 0.5x its GFLOPs, >= 1.5x its measured images/s (batched early exit).",
+             "", "| cascade | finest stage top-1 | cascade top-1 | GFLOPs / finest | "
+             "images/s / finest |", "|---|---|---|---|---|"]  # fmt: skip
+    for label, name in (("feature + relationship reuse", "cascade"),
+                        ("no feature reuse", "cascade_no_feature_reuse"),
+                        ("no relationship reuse", "cascade_no_relation_reuse")):  # fmt: skip
+        out = r.output(f"{name}/dynamic")
+        if out is None:
+            lines.append(f"| {label} | pending | - | - | - |")
+            continue
+        m = out["metrics"]
+        if "matched_top1" not in m:
+            lines.append(f"| {label} | {_pct(m['finest_top1'])} | no threshold reached the "
+                         "finest stage's held-out accuracy | - | - |")  # fmt: skip
+            continue
+        ratios = f"{m['matched_gflops_ratio']:.2f}x | {m['matched_speedup']:.2f}x"
+        tops = f"{_pct(m['finest_top1'])} | {_pct(m['matched_top1'])}"
+        lines.append(f"| {label} | {tops} | {ratios} |")
+    fig = root / results / "cascade" / "dynamic.accuracy_vs_gflops.png"
+    return lines + _figure(fig if fig.is_file() else None,
+                           "Dynamic ViT: accuracy against mean GFLOPs per image", root)  # fmt: skip
+
+
+def _inspect_figures(root: Path, results: Path) -> list[str]:
+    from study import INSPECT_FIGURES
+
+    lines = []
+    for name in INSPECT_FIGURES:
+        fig = root / results / f"inspect_mpp.{name}"
+        lines += _figure(fig if fig.is_file() else None, name.removesuffix(".png"), root)
+    return ["", "## Inspecting the MPP backbone (paper sec. 4.5)", *lines] if lines else []
+
+
 def _figure(path: Path | None, caption: str, root: Path) -> list[str]:
     if path is None:
         return []
@@ -258,6 +296,8 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  _lr(r, arms["supervised"][0])),
         _arm_row(r, "from scratch (labels only, same total epochs)", arms["scratch"],
                  "1e-3 (the supervised preset's; not swept)"),
+        _arm_row(r, "MLP-Mixer (D 128, 9 blocks), MPP, fine-tuned (1 seed)", ["ft_mixer_s0"],
+                 _lr(r, "ft_mixer_s0")),
     ]  # fmt: skip
     lines += [
         "",
@@ -296,6 +336,8 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
     for label, ev in ablations:
         lines.append(f"| {label} | {_pct(r.metric(ev, 'knn', KNN))} | "
                      f"{_pct(r.metric(ev, 'probe', PROBE))} | {_fewshot(r, ev)} |")  # fmt: skip
+    lines += _dynamic(r, root, results)
+    lines += _inspect_figures(root, results)
     lines += _goals(r, arms, epochs)
     lines += ["", "## Reference points (Fashion-MNIST README)", "", "| model | test accuracy |",
               "|---|---|", *(f"| {name} | {acc} |" for name, acc in REFERENCES), "",
