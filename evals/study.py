@@ -136,6 +136,26 @@ def _scratch(seed: int) -> Step:
     return Step(f"scratch_s{seed}", argv, run / "results.json", run_dir=run)
 
 
+RECIPES = {  # name -> overrides of the supervised preset; compared on held-out accuracy
+    "recipe_p7": [],  # the presets: 7x7 patches, 4x4 tokens, D 128, crop (0.35, 1), lr 1e-3
+    "recipe_p7_lr2e-3": ["optim.lr=2e-3"],
+    "recipe_p7_lr5e-4": ["optim.lr=5e-4"],
+    "recipe_p7_crop0.7": ["data.crop_scale=[0.7,1.0]"],
+    "recipe_p7_d192": ["model.kwargs={embed_dim: 192, depth: 6, num_heads: 4}"],
+    "recipe_p4": ["model.patch_size=4"],  # 7x7 tokens: about 3x the compute per image
+}
+RECIPE_EPOCHS = 2
+
+
+def _recipe(name: str) -> Step:
+    """Item 3 of issue 13: a small-image recipe chosen on held-out accuracy, from scratch with
+    labels (the cheapest signal of what the architecture and augmentation can learn)."""
+    run = STUDY / name
+    argv = ["pipelines/supervised_pretrain.py", "--config", SUP, f"run.dir={run}", *COMMON,
+            f"train.epochs={RECIPE_EPOCHS}", "run.eval_every=115", *RECIPES[name]]  # fmt: skip
+    return Step(name, argv, run / "results.json", run_dir=run)
+
+
 def _cascade(name: str, *overrides: str) -> list[Step]:
     """A Dynamic ViT fine-tuned from the MPP export (lr: seed 0's choice for MPP fine-tuning),
     then its exit thresholds chosen on held-out and measured on test."""
@@ -183,6 +203,7 @@ def plan() -> list[Step]:
         *_snapshot_evals("supervised", (PRETRAIN_EPOCHS,)),
         *main_comparison[3:],
         _inspect("mpp"),
+        *(_recipe(name) for name in RECIPES),
         # Dynamic ViT (issue 15): the cascade, then each reuse switched off alone.
         *_cascade("cascade"),
         *_cascade("cascade_no_feature_reuse", "objective.feature_reuse=false"),

@@ -223,6 +223,34 @@ def _dynamic(r: Results, root: Path, results: Path) -> list[str]:
                            "Dynamic ViT: accuracy against mean GFLOPs per image", root)  # fmt: skip
 
 
+def _recipes(r: Results) -> list[str]:
+    """Issue 13 item 3: which small-image recipe wins on held-out data."""
+    from study import RECIPE_EPOCHS, RECIPES
+
+    lines = ["", f"## Small-image recipe (from scratch with labels, {RECIPE_EPOCHS} epochs, "
+             "single seed)", "", "Compared on held-out top-1 (the best of the run's "
+             "evaluations); test is only reported. images/s: median of the run's logging "
+             "windows, on the machine above.", "",
+             "| recipe | overrides of the supervised preset | held-out top-1 | test top-1 | "
+             "images/s |", "|---|---|---|---|---|"]  # fmt: skip
+    scored = []
+    for name, overrides in RECIPES.items():
+        out = r.output(name)
+        what = " ".join(f"`{o}`" for o in overrides) or "(the preset)"
+        if out is None:
+            lines.append(f"| {name} | {what} | pending | - | - |")
+            continue
+        rates = [row["train/images_per_s"] for row in r.metric_lines(name)
+                 if "train/images_per_s" in row]  # fmt: skip
+        ips = f"{statistics.median(rates):.0f}" if rates else "-"
+        held = out["selection_best_top1"]
+        scored.append((held, name))
+        lines.append(f"| {name} | {what} | {_pct(held)} | {_pct(out['selected_top1'])} | {ips} |")
+    if scored:
+        lines += ["", f"Best on held-out so far: {max(scored)[1]}."]
+    return lines
+
+
 def _inspect_figures(root: Path, results: Path) -> list[str]:
     from study import INSPECT_FIGURES
 
@@ -336,6 +364,7 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
     for label, ev in ablations:
         lines.append(f"| {label} | {_pct(r.metric(ev, 'knn', KNN))} | "
                      f"{_pct(r.metric(ev, 'probe', PROBE))} | {_fewshot(r, ev)} |")  # fmt: skip
+    lines += _recipes(r)
     lines += _dynamic(r, root, results)
     lines += _inspect_figures(root, results)
     lines += _goals(r, arms, epochs)
