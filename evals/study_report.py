@@ -86,65 +86,51 @@ def _lr(r: Results, sweep: str) -> str:
     return f"{out['chosen']['optim.lr']} (held-out top-1 {held})"
 
 
-def curve_figure(r: Results, out: Path, epochs: tuple[int, ...]) -> Path | None:
-    """Frozen-feature accuracy against MPP pretraining epochs, random init at 0."""
+def _line_plot(out: Path, series: list[tuple[str, list, list]], xlabel: str, ylabel: str,
+               title: str, log_y: bool = False) -> Path | None:  # fmt: skip
+    """One PNG of labelled lines (label, xs, ys); None when there is nothing to draw."""
+    series = [s for s in series if len(s[1]) > 1]
+    if not series:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    drawn = False
+    for label, xs, ys in series:
+        ax.plot(xs, ys, marker="o" if len(xs) < 12 else None, label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log" if log_y else "linear")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def curve_figure(r: Results, out: Path, epochs: tuple[int, ...]) -> Path | None:
+    """Frozen-feature accuracy against MPP pretraining epochs, random init at 0."""
+    series = []
     for label, kind, key in (("kNN (k=20)", "knn", KNN), ("linear probe", "probe", PROBE),
                              ("10-shot ridge", "fewshot", "fewshot_10shot_mean")):  # fmt: skip
         pts = [(0, r.metric("random", kind, key))]
         pts += [(e, r.metric(f"mpp_e{e}", kind, key)) for e in epochs]
         pts = [(e, 100 * v) for e, v in pts if v is not None]
-        if len(pts) > 1:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("MPP pretraining epochs (0: random init)")
-    ax.set_ylabel("test top-1 (%)")
-    ax.set_title("Frozen MPP features against pretraining length")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+        series.append((label, [e for e, _ in pts], [v for _, v in pts]))
+    return _line_plot(out, series, "MPP pretraining epochs (0: random init)", "test top-1 (%)",
+                      "Frozen MPP features against pretraining length")  # fmt: skip
 
 
 def loss_figure(r: Results, out: Path, runs: list[tuple[str, str]]) -> Path | None:
-    """Training loss against step of the fine-tuning (and from-scratch) runs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    drawn = False
+    """Training loss against epoch of the fine-tuning (and from-scratch) runs."""
+    series = []
     for label, step in runs:
         rows = [row for row in r.metric_lines(step) if "train/loss" in row]
-        if rows:
-            epochs = [row["train/epoch"] for row in rows]
-            ax.plot(epochs, [row["train/loss"] for row in rows], label=label)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("training loss")
-    ax.set_yscale("log")
-    ax.set_title("Fine-tuning (seed 0, chosen lr) and from scratch")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+        series.append((label, [row["train/epoch"] for row in rows],
+                       [row["train/loss"] for row in rows]))  # fmt: skip
+    return _line_plot(out, series, "epoch", "training loss",
+                      "Fine-tuning (seed 0, chosen lr) and from scratch", log_y=True)  # fmt: skip
 
 
 def _goals(r: Results, arms: dict[str, list[str]], epochs: tuple[int, ...]) -> list[str]:
