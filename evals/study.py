@@ -2,7 +2,7 @@
 
     python evals/study.py run      # every step without a result yet, in order (hours on 2 cores)
     python evals/study.py run --only mpp_e6/knn   # just these steps
-    python evals/study.py status   # what is done, what is left
+    python evals/study.py status   # done, stale (its recipe changed since) or todo
     python evals/study.py report   # RESULTS.md from results/study/ (the committed results)
 
 Run it in the background (`nohup python evals/study.py run > runs/study/study.log 2>&1 &`).
@@ -11,7 +11,9 @@ machine, MLflow run and the JSON the step wrote; a training step's metric lines 
 those files are committed, so a new machine regenerates RESULTS.md and reruns only the steps
 without a result. A step's checkpoints and exports stay in runs/study/ (never committed); a step
 that needs another's export (a fine-tune needs its pretraining) reruns that one first when the
-export is gone. A stopped pretraining or fine-tuning resumes from its own checkpoints.
+export is gone. A result whose recipe changed (the command, a config file's contents, or the
+result of a step it reads) is stale: the step reruns, its old run directory moved aside. A
+stopped pretraining or fine-tuning resumes from its own checkpoints.
 
 The budget, the same for every method (equal total compute; every step here costs about the
 same per image, 28 px, 16 tokens): pretraining PRETRAIN_EPOCHS epochs at batch 256, then
@@ -138,9 +140,10 @@ def _scratch(seed: int) -> Step:
 
 RECIPES = {  # name -> overrides of the supervised preset; compared on held-out accuracy
     "recipe_p7": [],  # the presets: 7x7 patches, 4x4 tokens, D 128, crop (0.35, 1), lr 1e-3
+    "recipe_p7_flip": ["data.crop_scale=[1.0,1.0]"],  # no crop: flips only
+    "recipe_p7_crop0.7": ["data.crop_scale=[0.7,1.0]"],
     "recipe_p7_lr2e-3": ["optim.lr=2e-3"],
     "recipe_p7_lr5e-4": ["optim.lr=5e-4"],
-    "recipe_p7_crop0.7": ["data.crop_scale=[0.7,1.0]"],
     "recipe_p7_d192": ["model.kwargs={embed_dim: 192, depth: 6, num_heads: 4}"],
     "recipe_p4": ["model.patch_size=4"],  # 7x7 tokens: about 3x the compute per image
 }
@@ -236,11 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         write_report(steps, RESULTS, ROOT / "RESULTS.md", BUDGET, STUDY, SNAPSHOTS, SEEDS)
         print("wrote RESULTS.md")
         return 0
+    from study_run import run, state
+
     if args.action == "status":
         for step in steps:
-            print(("done " if (ROOT / step.result).is_file() else "todo ") + step.name)
+            print(f"{state(step, ROOT):6}{step.name}")
         return 0
-    from study_run import run
 
     return run(steps, ROOT, STUDY, args.only)
 

@@ -13,11 +13,12 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import study_mlflow
 
-from ssl_vit.io import atomic_write_text
+from ssl_vit.io import atomic_write_text, sha256_file
 from ssl_vit.perf import describe_machine
 
 
@@ -46,6 +47,44 @@ def _read_output(step, root: Path) -> dict:
     return out
 
 
+def recipe(step, root: Path) -> dict:
+    """What a result is valid for: the command, the contents of its config files and the
+    results of the steps it reads (a rerun pretraining makes its evaluations stale)."""
+    argv = step.args()
+    configs = {a: sha256_file(root / a) for i, a in enumerate(argv) if argv[i - 1] == "--config"}
+    results = root / step.result.parents[step.name.count("/")]
+    needs = {}
+    for need in step.needs:
+        path = results / f"{need}.json"
+        res = json.loads(path.read_text()) if path.is_file() else {}
+        needs[need] = res.get("result_id") or res.get("finished")
+    return {"command": shlex_join(argv), "configs": configs, "needs": needs}
+
+
+def state(step, root: Path) -> str:
+    """done (a result for this recipe), stale (a result for another one) or todo."""
+    path = root / step.result
+    if not path.is_file():
+        return "todo"
+    res = json.loads(path.read_text())
+    try:
+        now = recipe(step, root)
+    except FileNotFoundError:  # reads a result that is not there yet (seed 0's lr)
+        return "stale"
+    if "recipe" not in res:  # written before recipes were kept: the command decides
+        return "done" if res["command"] == now["command"] else "stale"
+    return "done" if res["recipe"] == now else "stale"
+
+
+def _set_aside(step, root: Path) -> None:
+    """A stale step's run directory (or output) moves aside, so the rerun starts afresh."""
+    old = root / (step.run_dir or step.output)
+    if old.exists():
+        dest = old.with_name(f"{old.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
+        old.rename(dest)
+        print(f"[study] {step.name}: stale result; {old} moved to {dest}", flush=True)
+
+
 def record(step, root: Path, seconds: float | None) -> dict:
     """Write the step's result (and metric lines) under results/study/."""
     output = _read_output(step, root)
@@ -55,8 +94,10 @@ def record(step, root: Path, seconds: float | None) -> dict:
     result = {
         "step": step.name,
         "command": shlex_join(step.args()),
+        "recipe": recipe(step, root),
         "seconds": seconds,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "result_id": uuid.uuid4().hex,  # what the results of steps that read this one name
         "git_commit": _git_commit(root),
         "machine": describe_machine(),
         "mlflow_run_id": run_id,
@@ -124,8 +165,11 @@ def run(steps: list, root: Path, study: Path, only: list[str] | None = None) -> 
         return 2
     parents = study_mlflow.parents(root / study, root)  # one MLflow parent run per method
     for step in steps:
-        if (root / step.result).is_file() or (only and step.name not in only):
+        now = state(step, root)
+        if now == "done" or (only and step.name not in only):
             continue
+        if now == "stale":
+            _set_aside(step, root)
         rc = _ensure(step, by_name, root, study, parents)
         if not rc and (root / step.output).is_file():  # ran before, not recorded: record
             record(step, root, None)

@@ -55,6 +55,14 @@ def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch
     assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
     assert _calls(tmp_path, "pre_e1-knn") == 2
     assert (tmp_path / "results/study/pre_e1/knn.json").is_file()
+    # A changed recipe (here: the pretraining's command) makes its result stale, and so the
+    # results of the steps that read its export: both rerun, the old output is kept aside.
+    steps[0].argv.append("changed")
+    assert [study_run.state(s, tmp_path) for s in steps] == ["stale", "done"]
+    assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre") == 3 and _calls(tmp_path, "pre_e1-knn") == 3
+    assert [study_run.state(s, tmp_path) for s in steps] == ["done", "done"]
+    assert len(list((tmp_path / "runs/study/pre").glob("out.json.stale-*"))) == 1
 
 
 def test_a_failed_step_leaves_no_result_and_stops_the_study(tmp_path, monkeypatch):
