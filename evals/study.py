@@ -142,11 +142,12 @@ RECIPES = {  # name -> overrides of the supervised preset; compared on held-out 
     "recipe_p7": [],  # the presets: 7x7 patches, 4x4 tokens, D 128, crop (0.35, 1), lr 1e-3
     "recipe_p7_flip": ["data.crop_scale=[1.0,1.0]"],  # no crop: flips only
     "recipe_p7_crop0.7": ["data.crop_scale=[0.7,1.0]"],
-    "recipe_p7_lr2e-3": ["optim.lr=2e-3"],
-    "recipe_p7_lr5e-4": ["optim.lr=5e-4"],
-    "recipe_p7_d192": ["model.kwargs={embed_dim: 192, depth: 6, num_heads: 4}"],
     "recipe_p4": ["model.patch_size=4"],  # 7x7 tokens: about 3x the compute per image
+    "recipe_p7_lr2e-3": ["optim.lr=2e-3"],
+    "recipe_p7_d192": ["model.kwargs={embed_dim: 192, depth: 6, num_heads: 4}"],
+    "recipe_p7_lr5e-4": ["optim.lr=5e-4"],
 }
+LATER_RECIPES = ("recipe_p7_lr2e-3", "recipe_p7_d192", "recipe_p7_lr5e-4")  # after fine-tuning's
 RECIPE_EPOCHS = 2
 
 
@@ -157,6 +158,19 @@ def _recipe(name: str) -> Step:
     argv = ["pipelines/supervised_pretrain.py", "--config", SUP, f"run.dir={run}", *COMMON,
             f"train.epochs={RECIPE_EPOCHS}", "run.eval_every=115", *RECIPES[name]]  # fmt: skip
     return Step(name, argv, run / "results.json", run_dir=run)
+
+
+FINETUNE_RECIPES = {  # MPP fine-tuning (seed 0) beside the sweep's SGD: name -> overrides
+    "ft_recipe_adamw": ["optim.name=adamw", "optim.lr=1e-3", "optim.weight_decay=0.05"],
+    "ft_recipe_flip": ["data.crop_scale=[1.0,1.0]", "optim.lr=0.03"],
+}
+
+
+def _finetune_recipe(name: str) -> Step:
+    run = STUDY / name
+    argv = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *FINETUNE,
+            f"model.init_from={STUDY / 'mpp'}", "run.seed=0", *FINETUNE_RECIPES[name]]  # fmt: skip
+    return Step(name, argv, run / "results.json", ("mpp",), run)
 
 
 def _cascade(name: str, *overrides: str) -> list[Step]:
@@ -200,13 +214,18 @@ def plan() -> list[Step]:
         *_snapshot_evals("mpp", (PRETRAIN_EPOCHS,)),
         *_evals("random", RANDOM),
         *_evals("pixels", ["--raw-pixels"]),
+        main_comparison[0],  # MPP's fine-tuning lr sweep
+        # What recipe to train with at 28 px (issue 13 item 3), on held-out data, before the
+        # main comparison spends its seeds on one.
+        *(_recipe(n) for n in RECIPES if n not in LATER_RECIPES),
+        *(_finetune_recipe(name) for name in FINETUNE_RECIPES),
+        *(_recipe(n) for n in LATER_RECIPES),
         _pretrain("supervised", SUP, sup_py),
-        *main_comparison[:3],  # seed 0 of each: the lr sweeps
+        *main_comparison[1:3],  # seed 0 of supervised and from scratch
         *_snapshot_evals("mpp", SNAPSHOTS[:-1]),  # the curve against pretraining length
         *_snapshot_evals("supervised", (PRETRAIN_EPOCHS,)),
         *main_comparison[3:],
         _inspect("mpp"),
-        *(_recipe(name) for name in RECIPES),
         # Dynamic ViT (issue 15): the cascade, then each reuse switched off alone.
         *_cascade("cascade"),
         *_cascade("cascade_no_feature_reuse", "objective.feature_reuse=false"),

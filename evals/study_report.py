@@ -234,6 +234,22 @@ def _recipes(r: Results) -> list[str]:
         lines.append(f"| {name} | {what} | {_pct(held)} | {_pct(out['selected_top1'])} | {ips} |")
     if scored:
         lines += ["", f"Best on held-out so far: {max(scored)[1]}."]
+    from study import FINETUNE_RECIPES
+
+    lines += ["", "MPP fine-tuning recipes (seed 0, same budget):", "",
+              "| recipe | overrides of the fine-tuning preset | held-out top-1 | test top-1 |",
+              "|---|---|---|---|"]  # fmt: skip
+    sweep = r.output("ft_mpp_s0")
+    if sweep is not None:
+        lr, held = sweep["chosen"]["optim.lr"], _pct(sweep["selection_best_top1"])
+        lines.append(f"| SGD, the sweep's lr | `optim.lr={lr}` | {held} | "
+                     f"{_pct(sweep['selected_top1'])} |")  # fmt: skip
+    for name, overrides in FINETUNE_RECIPES.items():
+        out = r.output(name)
+        what = " ".join(f"`{o}`" for o in overrides)
+        held = "pending" if out is None else _pct(out["selection_best_top1"])
+        test = "-" if out is None else _pct(out["selected_top1"])
+        lines.append(f"| {name} | {what} | {held} | {test} |")
     return lines
 
 
