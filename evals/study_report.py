@@ -241,7 +241,7 @@ def _recipes(r: Results) -> list[str]:
               "|---|---|---|---|"]  # fmt: skip
     sweep = r.output("ft_mpp_s0")
     if sweep is not None:
-        lr, held = sweep["chosen"]["optim.lr"], _pct(sweep["selection_best_top1"])
+        lr, held = sweep["chosen"]["optim.lr"], _pct(sweep.get("selection_best_top1"))
         lines.append(f"| SGD, the sweep's lr | `optim.lr={lr}` | {held} | "
                      f"{_pct(sweep['selected_top1'])} |")  # fmt: skip
     for name, overrides in FINETUNE_RECIPES.items():

@@ -98,7 +98,7 @@ def _write(root: Path, name: str, result: dict) -> None:
 def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     res = tmp_path / "results/study"
-    sweep = {"chosen": {"optim.lr": 0.01}, "selected_top1": 0.90,
+    sweep = {"chosen": {"optim.lr": 0.01}, "selected_top1": 0.90, "selection_best_top1": 0.91,
              "runs": [{"value": 0.01, "selection_best_top1": 0.91},
                       {"value": 0.03, "selection_best_top1": 0.89}]}  # fmt: skip
     _write(res, "ft_mpp_s0", sweep)
