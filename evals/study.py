@@ -88,7 +88,8 @@ def _pretrain(name: str, config: str, script: str, *overrides: str) -> Step:
     argv = [script, "--config", config, f"run.dir={run}", *COMMON,
             f"train.epochs={PRETRAIN_EPOCHS}", f"run.export_epochs=[{snapshots}]",
             *overrides]  # fmt: skip
-    return Step(name, argv, run / "export" / "objective.json", run_dir=run)
+    return Step(name, lambda: [*argv, *chosen_augmentation()], run / "export" / "objective.json",
+                run_dir=run)  # fmt: skip
 
 
 def _evals(name: str, backbone: list[str], needs: tuple[str, ...] = ()) -> list[Step]:
@@ -116,7 +117,7 @@ def _snapshot_evals(pretrain: str, epochs: tuple[int, ...] = SNAPSHOTS) -> list[
 
 def chosen_lr(sweep_step: str) -> float:
     """The fine-tuning lr seed 0's sweep chose on held-out data (its committed result)."""
-    res = json.loads((RESULTS / f"{sweep_step}.json").read_text())["result"]
+    res = json.loads((ROOT / RESULTS / f"{sweep_step}.json").read_text())["result"]
     return res["chosen"]["optim.lr"]
 
 
@@ -125,17 +126,19 @@ def _finetune(pretrain: str, seed: int) -> Step:
     base = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *FINETUNE,
             f"model.init_from={STUDY / pretrain}", f"run.seed={seed}"]  # fmt: skip
     if seed == SEEDS[0]:  # the lr sweep; the other seeds reuse its choice
-        return Step(name, [*base, "--sweep", f"optim.lr={FINETUNE_LRS}"], run / "results.json",
-                    (pretrain,), run)  # fmt: skip
-    argv = lambda: [*base, f"optim.lr={chosen_lr(f'ft_{pretrain}_s{SEEDS[0]}')}"]  # noqa: E731
-    return Step(name, argv, run / "results.json", (pretrain,), run)
+        sweep = lambda: [*base, *chosen_augmentation(), "--sweep", f"optim.lr={FINETUNE_LRS}"]  # noqa: E731
+        return Step(name, sweep, run / "results.json", (pretrain,), run)
+    lr = lambda: f"optim.lr={chosen_lr(f'ft_{pretrain}_s{SEEDS[0]}')}"  # noqa: E731
+    return Step(name, lambda: [*base, *chosen_augmentation(), lr()], run / "results.json",
+                (pretrain,), run)  # fmt: skip
 
 
 def _scratch(seed: int) -> Step:
     run = STUDY / f"scratch_s{seed}"
     argv = ["pipelines/supervised_pretrain.py", "--config", SUP, f"run.dir={run}", *COMMON,
             f"train.epochs={SCRATCH_EPOCHS}", f"run.seed={seed}"]  # fmt: skip
-    return Step(f"scratch_s{seed}", argv, run / "results.json", run_dir=run)
+    return Step(f"scratch_s{seed}", lambda: [*argv, *chosen_augmentation()], run / "results.json",
+                run_dir=run)  # fmt: skip
 
 
 RECIPES = {  # name -> overrides of the supervised preset; compared on held-out accuracy
@@ -147,8 +150,20 @@ RECIPES = {  # name -> overrides of the supervised preset; compared on held-out 
     "recipe_p7_d192": ["model.kwargs={embed_dim: 192, depth: 6, num_heads: 4}"],
     "recipe_p7_lr5e-4": ["optim.lr=5e-4"],
 }
-LATER_RECIPES = ("recipe_p7_lr2e-3", "recipe_p7_d192", "recipe_p7_lr5e-4")  # after fine-tuning's
 RECIPE_EPOCHS = 2
+AUGMENTATIONS = ("recipe_p7", "recipe_p7_flip", "recipe_p7_crop0.7")  # the crop, compared
+
+
+def chosen_augmentation() -> list[str]:
+    """The crop every training step of the study uses: that of the augmentation recipe with
+    the best held-out top-1; the presets' own until those recipes have results."""
+    scored = []
+    for name in AUGMENTATIONS:
+        path = ROOT / RESULTS / f"{name}.json"
+        if not path.is_file():
+            return []
+        scored.append((json.loads(path.read_text())["result"]["selection_best_top1"], name))
+    return RECIPES[max(scored)[1]]
 
 
 def _recipe(name: str) -> Step:
@@ -157,12 +172,13 @@ def _recipe(name: str) -> Step:
     run = STUDY / name
     argv = ["pipelines/supervised_pretrain.py", "--config", SUP, f"run.dir={run}", *COMMON,
             f"train.epochs={RECIPE_EPOCHS}", "run.eval_every=115", *RECIPES[name]]  # fmt: skip
-    return Step(name, argv, run / "results.json", run_dir=run)
+    if name in AUGMENTATIONS:  # these choose the crop; the others vary one thing beside it
+        return Step(name, argv, run / "results.json", run_dir=run)
+    return Step(name, lambda: [*argv, *chosen_augmentation()], run / "results.json", run_dir=run)
 
 
 FINETUNE_RECIPES = {  # MPP fine-tuning (seed 0) beside the sweep's SGD: name -> overrides
     "ft_recipe_adamw": ["optim.name=adamw", "optim.lr=1e-3", "optim.weight_decay=0.05"],
-    "ft_recipe_flip": ["data.crop_scale=[1.0,1.0]", "optim.lr=0.03"],
 }
 
 
@@ -170,7 +186,8 @@ def _finetune_recipe(name: str) -> Step:
     run = STUDY / name
     argv = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *FINETUNE,
             f"model.init_from={STUDY / 'mpp'}", "run.seed=0", *FINETUNE_RECIPES[name]]  # fmt: skip
-    return Step(name, argv, run / "results.json", ("mpp",), run)
+    return Step(name, lambda: [*argv, *chosen_augmentation()], run / "results.json", ("mpp",),
+                run)  # fmt: skip
 
 
 def _cascade(name: str, *overrides: str) -> list[Step]:
@@ -180,7 +197,8 @@ def _cascade(name: str, *overrides: str) -> list[Step]:
     base = ["evals/finetune.py", "--config", CASCADE, f"run.dir={run}", *COMMON,
             f"train.epochs={FINETUNE_EPOCHS}", "optim.warmup_steps=100", "run.eval_every=235",
             f"model.init_from={STUDY / 'mpp'}", *overrides]  # fmt: skip
-    argv = lambda: [*base, f"optim.lr={chosen_lr(f'ft_mpp_s{SEEDS[0]}')}"]  # noqa: E731
+    lr = lambda: f"optim.lr={chosen_lr(f'ft_mpp_s{SEEDS[0]}')}"  # noqa: E731
+    argv = lambda: [*base, *chosen_augmentation(), lr()]  # noqa: E731
     dynamic = ["evals/dynamic_vit.py", "--backbone", str(run), "--data", SHARDS, "--out", str(out)]
     return [
         Step(name, argv, run / "results.json", ("mpp",), run),
@@ -210,18 +228,17 @@ def plan() -> list[Step]:
         for step in (_finetune("mpp", seed), _finetune("supervised", seed), _scratch(seed))
     ]
     return [
+        # The crop augmentation every training step uses, chosen on held-out (issue 13 item 3).
+        *(_recipe(n) for n in AUGMENTATIONS),
         _pretrain("mpp", MPP, py),
         *_snapshot_evals("mpp", (PRETRAIN_EPOCHS,)),
         *_evals("random", RANDOM),
         *_evals("pixels", ["--raw-pixels"]),
         main_comparison[0],  # MPP's fine-tuning lr sweep
-        # What recipe to train with at 28 px (issue 13 item 3), on held-out data, before the
-        # main comparison spends its seeds on one.
-        *(_recipe(n) for n in RECIPES if n not in LATER_RECIPES),
         *(_finetune_recipe(name) for name in FINETUNE_RECIPES),
-        *(_recipe(n) for n in LATER_RECIPES),
         _pretrain("supervised", SUP, sup_py),
         *main_comparison[1:3],  # seed 0 of supervised and from scratch
+        *(_recipe(n) for n in RECIPES if n not in AUGMENTATIONS),  # patch 4, lr, width
         *_snapshot_evals("mpp", SNAPSHOTS[:-1]),  # the curve against pretraining length
         *_snapshot_evals("supervised", (PRETRAIN_EPOCHS,)),
         *main_comparison[3:],

@@ -263,6 +263,12 @@ def _inspect_figures(root: Path, results: Path) -> list[str]:
     return ["", "## Inspecting the MPP backbone (paper sec. 4.5)", *lines] if lines else []
 
 
+def _augmentation() -> list[str]:
+    from study import chosen_augmentation
+
+    return chosen_augmentation()
+
+
 def _figure(path: Path | None, caption: str, root: Path) -> list[str]:
     if path is None:
         return []
@@ -313,6 +319,10 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
         "training split (1,200 images) is held out from every training run; it chooses the "
         "fine-tuning lr and the evaluation (of 4 per fine-tune, 1 per epoch from scratch) whose "
         "test accuracy is reported. The test split chooses nothing.",
+        "",
+        "Augmentation of every training run: flips and "
+        + (" ".join(f"`{o}`" for o in _augmentation()) or "the presets' crop (0.35, 1)")
+        + ", chosen on held-out by the crop recipes below.",
         "",
         "Machines: " + ("; ".join(machines) if machines else "none yet") + ".",
         "",

@@ -71,8 +71,12 @@ def state(step, root: Path) -> str:
         now = recipe(step, root)
     except FileNotFoundError:  # reads a result that is not there yet (seed 0's lr)
         return "stale"
-    if "recipe" not in res:  # written before recipes were kept: the command decides
-        return "done" if res["command"] == now["command"] else "stale"
+    if "recipe" not in res:  # written before recipes were kept: the command and the times
+        results = root / step.result.parents[step.name.count("/")]
+        done = [json.loads(p.read_text())["finished"] for n in step.needs
+                if (p := results / f"{n}.json").is_file()]  # fmt: skip
+        newer = [ts for ts in done if ts > res["finished"]]
+        return "done" if res["command"] == now["command"] and not newer else "stale"
     return "done" if res["recipe"] == now else "stale"
 
 

@@ -85,6 +85,15 @@ def test_plan_seeds_reuse_the_lr_seed_0_chose(tmp_path, monkeypatch):
     (tmp_path / "ft_mpp_s0.json").write_text(json.dumps({"result": {"chosen": {"optim.lr": 0.03}}}))
     seed1 = next(s for s in study.plan() if s.name == "ft_mpp_s1")
     assert "optim.lr=0.03" in seed1.args() and "--sweep" not in seed1.args()
+    # The crop every training step uses is the augmentation recipe that won on held-out.
+    assert study.chosen_augmentation() == []  # the presets' own until all three have results
+    for name, held in zip(study.AUGMENTATIONS, (0.70, 0.80, 0.75), strict=True):
+        (tmp_path / f"{name}.json").write_text(
+            json.dumps({"result": {"selection_best_top1": held}})
+        )
+    won = study.RECIPES["recipe_p7_flip"]
+    pre = next(s for s in study.plan() if s.name == "mpp")
+    assert study.chosen_augmentation() == won and pre.args()[-len(won) :] == won
     assert study_mlflow.method_of("ft_mpp_s1") == study_mlflow.method_of("mpp_e2/knn") == "mpp"
     assert study_mlflow.method_of("scratch_s2") == "scratch"
 
