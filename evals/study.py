@@ -238,8 +238,8 @@ def plan() -> list[Step]:
         *(_finetune_recipe(name) for name in FINETUNE_RECIPES),
         _pretrain("supervised", SUP, sup_py),
         *main_comparison[1:3],  # seed 0 of supervised and from scratch
-        *(_recipe(n) for n in RECIPES if n not in AUGMENTATIONS),  # patch 4, lr, width
         *_snapshot_evals("mpp", SNAPSHOTS[:-1]),  # the curve against pretraining length
+        *(_recipe(n) for n in RECIPES if n not in AUGMENTATIONS),  # patch 4, lr, width
         *_snapshot_evals("supervised", (PRETRAIN_EPOCHS,)),
         *main_comparison[3:],
         _inspect("mpp"),
