@@ -60,3 +60,23 @@ def log_step(runs: ParentRuns, step_name: str, output: Path) -> None:
     if res.get("selected_top1") is not None:  # a training run's results.json
         metrics["finetune_top1"] = res["selected_top1"]
     runs.log_metrics(method_of(step_name), metrics)
+
+
+def report_lines(study: Path) -> list[str]:
+    """RESULTS.md's section linking each method's parent run to its page in `mlflow ui`."""
+    from ssl_vit.tracking.nesting import run_link
+
+    path = study / PARENTS_FILE
+    parents = json.loads(path.read_text()) if path.is_file() else {}
+    if not parents:
+        return []
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    lines = ["", "## In MLflow", "",
+             f"Each method is a parent run in experiment `{EXPERIMENT}` with its pretraining, "
+             "evaluations and fine-tuning nested under it, and its headline numbers logged on "
+             f"it: `mlflow ui --backend-store-uri {uri}`, select the parents, Compare.", "",
+             "| method | parent run |", "|---|---|"]  # fmt: skip
+    for method, p in parents.items():
+        link = run_link(uri, p["experiment_id"], p["run_id"])
+        lines.append(f"| {method} | [{p['run_id']}]({link}) |")
+    return lines

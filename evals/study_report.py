@@ -385,6 +385,9 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
               "The paper's MPP result (ImageNet, ViT-B/16; ViT paper sec. 4.6): 79.9% top-1 "
               "fine-tuned after MPP, about +2% over training from scratch and about -4% from "
               "supervised JFT pretraining."]  # fmt: skip
+    import study_mlflow
+
+    lines += study_mlflow.report_lines(root / study)
     lines += _steps_table(r, plan)
     out.write_text("\n".join(lines) + "\n")
     _log_figures(study, root, [f for f in figures if f is not None])

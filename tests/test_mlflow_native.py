@@ -180,7 +180,6 @@ def test_study_parent_runs_nest_children(store, tmp_path, monkeypatch):
 def test_study_groups_steps_by_method_and_reports_links(store, tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "evals"))
     import study_mlflow
-    import study_report
 
     uri, client, _ = store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -193,7 +192,7 @@ def test_study_groups_steps_by_method_and_reports_links(store, tmp_path, monkeyp
     out.write_text(json.dumps({"metrics": {"knn_top1@k=20": 0.75, "knn_top1@k=10": 0.7}}))
     study_mlflow.log_step(runs, "mpp50/knn", out)
     assert client.get_run(pid).data.metrics == {"knn_top1_k20": 0.75}
-    lines = "\n".join(study_report._mlflow(tmp_path))
+    lines = "\n".join(study_mlflow.report_lines(tmp_path))
     exp = client.get_run(pid).info.experiment_id
     assert f"| mpp50 | [{pid}](http://127.0.0.1:5000/#/experiments/{exp}/runs/{pid}) |" in lines
 

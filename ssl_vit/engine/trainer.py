@@ -388,10 +388,10 @@ def train(cfg: Config, header: str = "") -> Path:
 
 
 def _export_snapshot(s: _Setup, tracker: Tracker, step: int) -> None:
-    """RUN/export_epoch<E>/ once `step` ends epoch E of `run.export_epochs` (every rank)."""
-    per_epoch = s.loader.steps_per_epoch
+    """RUN/export_epoch<E>/ once `step` ends epoch E of `run.export_epochs` (every rank); an
+    epoch the run does not reach gets none."""
     for epoch in s.cfg.run.export_epochs:
-        if step == min(s.total_steps, epoch * per_epoch):
+        if step == epoch * s.loader.steps_per_epoch:
             extra = {"mlflow_run_id": tracker.run_id, "step": step, "epoch": epoch,
                      "objective": s.cfg.objective.kind}  # fmt: skip
             s.export(s.run_dir / f"export_epoch{epoch}", extra)
