@@ -9,6 +9,7 @@ report's curves. The file is written atomically, last: a step with a result is f
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -126,8 +127,6 @@ def record(step, root: Path, seconds: float | None) -> dict:
 
 
 def shlex_join(argv: list[str]) -> str:
-    import shlex
-
     return shlex.join(["python", *argv])
 
 
