@@ -82,8 +82,11 @@ def state(step, root: Path) -> str:
 
 
 def _set_aside(step, root: Path) -> None:
-    """A stale step's run directory (or output) moves aside, so the rerun starts afresh."""
-    old = root / (step.run_dir or step.output)
+    """A stale step's run directory (or output) moves aside, so the rerun starts afresh. A
+    sweep's keeps its run directory: the sweep itself retrains each value whose settings
+    changed and keeps the finished ones (a grown grid trains only its new values)."""
+    sweep = step.run_dir is not None and "--sweep" in step.args()
+    old = root / (step.output if sweep or step.run_dir is None else step.run_dir)
     if old.exists():
         dest = old.with_name(f"{old.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
         old.rename(dest)

@@ -65,6 +65,24 @@ def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch
     assert len(list((tmp_path / "runs/study/pre").glob("out.json.stale-*"))) == 1
 
 
+def test_a_stale_sweep_keeps_its_run_directory(tmp_path, monkeypatch):
+    """The sweep judges its own values (a grown grid trains only the new ones): the study
+    moves aside only the sweep's results file, never the finished values' runs."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (tmp_path / "calls").mkdir()
+    sweep = _step("sw", tmp_path)
+    sweep.argv += ["--sweep", "optim.lr=0.01,0.03"]
+    sweep.run_dir = Path("runs/study/sw")
+    assert study_run.run([sweep], tmp_path, Path("runs/study")) == 0
+    (tmp_path / "runs/study/sw/optim.lr=0.01").mkdir()
+    sweep.argv[-1] = "optim.lr=0.01,0.03,0.06"
+    assert study_run.state(sweep, tmp_path) == "stale"
+    assert study_run.run([sweep], tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "sw") == 2 and study_run.state(sweep, tmp_path) == "done"
+    assert (tmp_path / "runs/study/sw/optim.lr=0.01").is_dir()
+    assert len(list((tmp_path / "runs/study/sw").glob("out.json.stale-*"))) == 1
+
+
 def test_a_failed_step_leaves_no_result_and_stops_the_study(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     bad = study.Step("bad", ["-c", "raise SystemExit(3)"], Path("runs/study/bad/out.json"))

@@ -331,3 +331,31 @@ def test_finetune_lr_sweep_chooses_on_held_out_nested_in_mlflow(tiny_shards, tmp
     assert "finished before, kept" in again.stderr
     assert (sweep / "optim.lr=0.05" / "results.json").stat().st_mtime_ns == mtime
     assert json.loads((sweep / "results.json").read_text())["chosen"] == res["chosen"]
+    # A grown grid trains only the new value; the finished ones, same settings, are kept.
+    grown = [a if a != "optim.lr=0.0001,0.05" else "optim.lr=0.0001,0.05,0.01" for a in cmd]
+    more = run_cli(grown)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert (sweep / "optim.lr=0.05" / "results.json").stat().st_mtime_ns == mtime
+    res3 = json.loads((sweep / "results.json").read_text())
+    assert [r["value"] for r in res3["runs"]] == [0.0001, 0.05, 0.01]
+    assert (sweep / "optim.lr=0.01" / "results.json").is_file()
+
+
+def test_sweep_retrains_a_value_whose_settings_changed(tmp_path):
+    """A value's directory from a sweep with other settings moves aside; the same stays."""
+    from ssl_vit.config import load_config, save_config
+    from ssl_vit.engine.sweep import _set_aside_if_changed
+
+    out = tmp_path / "optim.lr=0.01"
+    out.mkdir()
+    cfg = load_config("configs/fmnist_finetune.yaml", [f"run.dir={out}", "optim.lr=0.01"])
+    save_config(cfg, out / "config.yaml", "# header")
+    tracked = load_config("configs/fmnist_finetune.yaml",
+                          [f"run.dir={out}", "optim.lr=0.01", "tracking.parent_run_id=abc"])  # fmt: skip
+    _set_aside_if_changed(out, tracked)  # tracking does not change what was trained
+    assert out.is_dir()
+    changed = load_config("configs/fmnist_finetune.yaml",
+                          [f"run.dir={out}", "optim.lr=0.01", "train.epochs=3"])  # fmt: skip
+    _set_aside_if_changed(out, changed)
+    assert not out.exists()
+    assert [p.name.split(".stale-")[0] for p in tmp_path.iterdir()] == ["optim.lr=0.01"]

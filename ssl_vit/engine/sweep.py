@@ -5,8 +5,10 @@
 
 The paper picks the fine-tuning learning rate from {0.003, 0.01, 0.03, 0.06} on a held-out 2%
 of the training set (appendix B.1.1). Each value trains in RUN/<key>=<value>/ (a run directory
-of its own, resumed like any run: a finished one is skipped), as an MLflow run nested under a
-parent run for the sweep. The value whose run reached the best top-1 on the selection split
+of its own, resumed like any run: a finished one is kept), as an MLflow run nested under a
+parent run for the sweep. A value's directory from a sweep with other settings (its saved
+config.yaml differs) is moved aside and trained again, so a grid can grow without retraining
+the values it had. The value whose run reached the best top-1 on the selection split
 (the held-out part of the training split) wins; RUN/results.json names it, with every value's
 held-out top-1 and the chosen run's test top-1, which is only reported.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +107,9 @@ def run_sweep(
         child = [*overrides, f"{key}={value}", f"run.dir={out}"]
         if parent is not None and parent.run_id:
             child.append(f"tracking.parent_run_id={parent.run_id}")
+        if rank == 0:
+            _set_aside_if_changed(out, load_config(config_path, child))
+        barrier()
         if (out / "results.json").is_file():
             log.info("sweep %s=%s: finished before, kept (%s)", key, value, out)
         else:
@@ -118,6 +124,23 @@ def run_sweep(
         _close_parent(parent, base / "results.json", key, result, runs)
     barrier()
     return result
+
+
+def _comparable(cfg: dict) -> dict:
+    """A config as YAML reads it back, less what does not change training (tracking)."""
+    return {k: v for k, v in yaml.safe_load(yaml.safe_dump(cfg)).items() if k != "tracking"}
+
+
+def _set_aside_if_changed(out: Path, cfg: Config) -> None:
+    """A value's run directory trained under other settings moves to `<dir>.stale-<time>`."""
+    saved = out / "config.yaml"
+    if not saved.is_file() or _comparable(yaml.safe_load(saved.read_text())) == _comparable(
+        cfg.to_dict()
+    ):
+        return
+    dest = out.with_name(f"{out.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.rename(dest)
+    log.info("sweep: %s was trained with other settings; moved to %s, training again", out, dest)
 
 
 def _open_parent(base_cfg: Config, key: str, values: list, header: str):
