@@ -319,7 +319,7 @@ def test_finetune_lr_sweep_chooses_on_held_out_nested_in_mlflow(tiny_shards, tmp
     assert res["selection_split"].startswith("train (held-out 0.1")
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
     parent = client.get_run(res["mlflow_run_id"])
-    assert parent.data.params["chosen.optim.lr"] == str(best["value"])
+    assert parent.data.tags["chosen.optim.lr"] == str(best["value"])
     for r in runs:
         child = client.get_run(r["mlflow_run_id"])
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
@@ -338,6 +338,9 @@ def test_finetune_lr_sweep_chooses_on_held_out_nested_in_mlflow(tiny_shards, tmp
     assert (sweep / "optim.lr=0.05" / "results.json").stat().st_mtime_ns == mtime
     res3 = json.loads((sweep / "results.json").read_text())
     assert [r["value"] for r in res3["runs"]] == [0.0001, 0.05, 0.01]
+    tags = client.get_run(res["mlflow_run_id"]).data.tags  # the same parent run, continued
+    assert tags["sweep.values"] == "[0.0001, 0.05, 0.01]"
+    assert tags["chosen.optim.lr"] == str(res3["chosen"]["optim.lr"])
     assert (sweep / "optim.lr=0.01" / "results.json").is_file()
 
 

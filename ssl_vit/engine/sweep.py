@@ -159,7 +159,8 @@ def _open_parent(base_cfg: Config, key: str, values: list, header: str):
     )  # fmt: skip
     if parent.run_id and not id_file.is_file():
         atomic_write_text(id_file, parent.run_id + "\n")
-    parent.log_params({"sweep.key": key, "sweep.values": values, "header": header})
+    # Tags, not params: a grown grid continues this parent run, and MLflow's params never change.
+    parent.set_tags({"sweep.key": key, "sweep.values": values, "header": header})
     return parent
 
 
@@ -167,7 +168,7 @@ def _close_parent(parent, path: Path, key: str, result: dict, runs: list[dict]) 
     """results.json, the chosen value and every value's score on the parent run."""
     result["mlflow_run_id"] = parent.run_id
     atomic_write_text(path, json.dumps(result, indent=2) + "\n")
-    parent.log_params({f"chosen.{key}": result["chosen"][key]})
+    parent.set_tags({f"chosen.{key}": result["chosen"][key]})
     for i, r in enumerate(runs):  # step = position of the value in the sweep
         parent.log_metrics({"sweep/selection_best_top1": r["selection_best_top1"]}, step=i)
     chosen = {"chosen/selection_best_top1": result["selection_best_top1"]}
