@@ -351,14 +351,12 @@ def test_sweep_retrains_a_value_whose_settings_changed(tmp_path):
 
     out = tmp_path / "optim.lr=0.01"
     out.mkdir()
-    cfg = load_config("configs/fmnist_finetune.yaml", [f"run.dir={out}", "optim.lr=0.01"])
-    save_config(cfg, out / "config.yaml", "# header")
-    tracked = load_config("configs/fmnist_finetune.yaml",
-                          [f"run.dir={out}", "optim.lr=0.01", "tracking.parent_run_id=abc"])  # fmt: skip
+    base = [f"run.dir={out}", "optim.lr=0.01"]
+    save_config(load_config("configs/fmnist_finetune.yaml", base), out / "config.yaml", "# h")
+    tracked = load_config("configs/fmnist_finetune.yaml", [*base, "tracking.parent_run_id=abc"])
     _set_aside_if_changed(out, tracked)  # tracking does not change what was trained
     assert out.is_dir()
-    changed = load_config("configs/fmnist_finetune.yaml",
-                          [f"run.dir={out}", "optim.lr=0.01", "train.epochs=3"])  # fmt: skip
+    changed = load_config("configs/fmnist_finetune.yaml", [*base, "train.epochs=3"])
     _set_aside_if_changed(out, changed)
     assert not out.exists()
     assert [p.name.split(".stale-")[0] for p in tmp_path.iterdir()] == ["optim.lr=0.01"]
