@@ -6,8 +6,10 @@ Writes N Fashion-MNIST training images once as PNGs into an ImageFolder tree and
 shards (webdataset.TarWriter + write_manifest), then times full epochs of both loaders with the
 same transform (the paper's random resized crop + flip on the uint8 PIL image), batch size and
 worker count, alternating which goes first. Prints per-epoch images/s, medians and the ratio.
-Per-sample cost here is dominated by Python's tarfile header parsing (shards) and by file
-opens (ImageFolder): Fashion-MNIST images are tiny; use --img-size 224 to weigh decode/resize.
+Then reads the shards' raw samples side by side with webdataset's reader (Python's tarfile
+underneath) and ssl_vit.data.tar_reader (ours, used by the loader), in one process, and prints
+microseconds per sample and the ratio. Fashion-MNIST images are tiny, so reading and file opens
+weigh most; use --img-size 224 to weigh decode/resize.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torchvision.datasets import ImageFolder
 
 from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 from ssl_vit.data.stream import make_train_loader
+from ssl_vit.data.tar_reader import iter_samples
 from ssl_vit.io import sha256_file
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -94,6 +97,26 @@ def time_epoch(loader) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def compare_tar_readers(shards: Path, repeats: int) -> None:
+    """Raw samples of every shard, webdataset's reader vs ours, alternating; us per sample."""
+    paths = sorted(str(p) for p in shards.glob("*.tar"))
+    readers = {
+        "webdataset.tarfile_samples": lambda: wds.tarfile_samples([{"url": p} for p in paths]),
+        "ssl_vit.data.tar_reader": lambda: (s for p in paths for s in iter_samples(p)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in readers}
+    for r in range(repeats):
+        for name, read in list(readers.items())[:: 1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            n = sum(1 for _ in read())
+            times[name].append((time.perf_counter() - t0) / n * 1e6)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name, m in med.items():
+        print(f"tar reading {name:30s} {m:7.1f} us/sample (median of {repeats})")
+    ratio = med["webdataset.tarfile_samples"] / med["ssl_vit.data.tar_reader"]
+    print(f"ratio webdataset / ours: {ratio:.1f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-images", type=int, default=10000, help="Fashion-MNIST images to use")
@@ -139,7 +162,8 @@ def main() -> None:
     for name, m in med.items():
         print(f"median {name:30s} {m:9.0f} images/s")
     ratio = med["shards (ssl_vit.data.stream)"] / med["ImageFolder"]
-    print(f"ratio shards / ImageFolder: {ratio:.2f}x")
+    print(f"ratio shards / ImageFolder: {ratio:.2f}x\n")
+    compare_tar_readers(shards, max(3, args.repeats))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import webdataset as wds
-
 from .manifest import Manifest, ManifestError, check_shards_exist
+from .tar_reader import TarFormatError, iter_samples
 
 log = logging.getLogger(__name__)
 _MAX_LOGGED = 20  # per process; then every 1000th, so junk data cannot flood the log
@@ -97,24 +96,22 @@ def select_shards(
 def read_shard(
     ref: ShardRef, keep: Callable[[int], bool] | None, counter: SkipCounter
 ) -> Iterator[dict]:
-    """Raw samples of one shard (webdataset's tar reader), tagged with `__index__`; only those
+    """Raw samples of one shard (ssl_vit.data.tar_reader), tagged with `__index__`; only those
     whose index passes `keep`. A shard that fails or ends early counts its lost kept samples."""
     errors: list[BaseException] = []
-
-    def handler(exn: BaseException) -> bool:
-        errors.append(exn)
-        return True  # no sleep, unlike wds.warn_and_continue
-
     pos = 0
-    for sample in wds.tarfile_samples([{"url": ref.path}], handler=handler):
-        if pos >= ref.num_samples:
-            log.warning("%s: more samples than the manifest says; extra ignored", ref.path)
-            break
-        index = ref.offset + pos
-        pos += 1
-        if keep is None or keep(index):
-            sample["__index__"] = index
-            yield sample
+    try:
+        for sample in iter_samples(ref.path):
+            if pos >= ref.num_samples:
+                log.warning("%s: more samples than the manifest says; extra ignored", ref.path)
+                break
+            index = ref.offset + pos
+            pos += 1
+            if keep is None or keep(index):
+                sample["__index__"] = index
+                yield sample
+    except (OSError, TarFormatError, UnicodeDecodeError) as e:  # ends the shard; counted below
+        errors.append(e)
     if errors or pos < ref.num_samples:
         lost = range(ref.offset + pos, ref.offset + ref.num_samples)
         n_lost = sum(1 for i in lost if keep is None or keep(i))
