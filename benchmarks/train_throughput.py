@@ -2,7 +2,7 @@
 with a plain in-memory timm + AdamW loop on the same model and batch.
 
     python benchmarks/train_throughput.py [--shards shards/fashion-mnist] [--steps 60]
-        [--config configs/fmnist_vit_tiny_mpp.yaml] [key=value ...]
+        [--config configs/fmnist_vit_tiny_mpp.yaml] [--out RESULT.json] [key=value ...]
 
 Runs `pipelines/mpp_pretrain.py` (DeepSpeed, real loader) in a temporary run directory and
 reports, over the logging windows after the first (warm-up), the medians of: images/s, model
@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("--config", default="configs/fmnist_vit_tiny_mpp.yaml")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--out", type=Path, help="also write the medians and the ratio here (JSON)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     overrides = list(args.overrides)
@@ -126,7 +127,19 @@ def main() -> int:
     where = f"{plain['precision']}, {plain['threads']} threads"
     print(f"plain loop images/s   {plain_med:10.1f}   (timm + AdamW in memory, {where}; "
           f"before {plain_before:.1f}, after {plain_after:.1f})")  # fmt: skip
-    print(f"pipeline / plain      {med['train/images_per_s'] / plain_med:10.2f}x  (goal >= 0.9)")
+    ratio = med["train/images_per_s"] / plain_med
+    print(f"pipeline / plain      {ratio:10.2f}x  (goal >= 0.9)")
+    if args.out is not None:
+        from ssl_vit.io import atomic_write_text
+        from ssl_vit.perf import describe_machine
+
+        result = {
+            "config": args.config, "overrides": overrides, "steps": args.steps, "pipeline": med,
+            "plain_images_per_s": plain_med, "plain_before": plain_before,
+            "plain_after": plain_after, "ratio": ratio, "machine": describe_machine(),
+        }  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     return 0
 
 

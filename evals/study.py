@@ -241,6 +241,19 @@ def plan() -> list[Step]:
         *_snapshot_evals("mpp", SNAPSHOTS[:-1]),  # the curve against pretraining length
         _recipe("recipe_p4"),  # 7x7 tokens: the finer grid item 3 asks for first
         *_snapshot_evals("supervised", (PRETRAIN_EPOCHS,)),
+        # Pipeline vs a plain timm loop, images/s side by side (item 4); run between steps, so
+        # nothing of the study runs beside it.
+        Step(
+            "speed",
+            [
+                "benchmarks/train_throughput.py",
+                "--steps",
+                "60",
+                "--out",
+                str(STUDY / "speed" / "train_throughput.json"),
+            ],
+            STUDY / "speed" / "train_throughput.json",
+        ),  # fmt: skip
         *main_comparison[3:],  # seeds 1 and 2: the error bars
         *(_recipe(n) for n in RECIPES if n not in (*AUGMENTATIONS, "recipe_p4")),  # lr, width
         # Dynamic ViT (issue 15): the cascade, then each reuse switched off alone.

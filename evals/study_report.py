@@ -178,6 +178,14 @@ def _goals(r: Results, arms: dict[str, list[str]], epochs: tuple[int, ...]) -> l
         ok = all(b >= a for a, b in zip(accs, accs[1:], strict=False))
         row("few-shot on raw pixels, non-decreasing in shots", "1 <= 5 <= 10 <= 25",
             " / ".join(f"{100 * a:.1f}" for a in accs), ok)  # fmt: skip
+    speed = r.output("speed")
+    if speed is not None:
+        got = (f"{speed['ratio']:.2f}x ({speed['pipeline']['train/images_per_s']:.0f} vs "
+               f"{speed['plain_images_per_s']:.0f} images/s, fp32)")  # fmt: skip
+        row("pipeline images/s vs plain timm loop, same model", ">= 0.9x", got,
+            speed["ratio"] >= 0.9)  # fmt: skip
+    else:
+        row("pipeline images/s vs plain timm loop, same model", ">= 0.9x", "pending", None)
     return lines
 
 

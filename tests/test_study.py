@@ -141,6 +141,9 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     accs = (0.5, 0.4, 0.6, 0.7)
     few = {f"fewshot_{n}shot_mean": a for n, a in zip((1, 5, 10, 25), accs, strict=True)}
     _write(res, "pixels/fewshot", {"metrics": few})
+    speed = {"ratio": 0.905, "plain_images_per_s": 900.0,
+             "pipeline": {"train/images_per_s": 814.5}}  # fmt: skip
+    _write(res, "speed", speed)
     out = tmp_path / "RESULTS.md"
     study_report.write_report([], Path("results/study"), out, "budget", Path("runs/study"),
                               (1, 2, 4, 6), (0, 1, 2))  # fmt: skip
@@ -151,5 +154,6 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     # rising and 10+ above random, but below the 87 goal
     assert "6 ep 85.0; random 60.0 | no |" in text
     assert "| 50.0 / 40.0 / 60.0 / 70.0 | no |" in text  # few-shot falls from 1 to 5 shots
+    assert "| >= 0.9x | 0.91x (814 vs 900 images/s, fp32) | yes |" in text
     assert (res / "pretraining_curve.png").stat().st_size > 1000
     assert "](results/study/pretraining_curve.png)" in text
