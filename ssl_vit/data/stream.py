@@ -41,7 +41,8 @@ memory: `loader.num_skipped` (samples, cumulative over the loader's life, all wo
 the main process. They lag the consumed batches by the prefetch depth. A shard missing at
 construction is a one-line ManifestError (missing="error"), or dropped with a warning
 (missing="skip"; the epoch length is then computed without it). Selecting and reading shards,
-and the counters: ssl_vit.data.shards; the two IterableDatasets: ssl_vit.data.datasets.
+and the counters: ssl_vit.data.shards (the tar parsing, ours for speed: ssl_vit.data.tar_reader);
+the two IterableDatasets: ssl_vit.data.datasets.
 
 Held-out samples. `holdout_fraction=f` (ssl_vit.data.holdout) removes a fixed, hashed share
 f of the split's samples (by manifest index) from the train loader: no stream ever yields them,
