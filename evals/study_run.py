@@ -19,6 +19,7 @@ from pathlib import Path
 
 import study_mlflow
 
+from ssl_vit.config import load_config
 from ssl_vit.io import atomic_write_text, sha256_file
 from ssl_vit.perf import describe_machine
 
@@ -48,18 +49,55 @@ def _read_output(step, root: Path) -> dict:
     return out
 
 
-def recipe(step, root: Path) -> dict:
-    """What a result is valid for: the command, the contents of its config files and the
-    results of the steps it reads (a rerun pretraining makes its evaluations stale)."""
-    argv = step.args()
-    configs = {a: sha256_file(root / a) for i, a in enumerate(argv) if argv[i - 1] == "--config"}
+def _needs(step, root: Path) -> dict:
     results = root / step.result.parents[step.name.count("/")]
     needs = {}
     for need in step.needs:
         path = results / f"{need}.json"
         res = json.loads(path.read_text()) if path.is_file() else {}
         needs[need] = res.get("result_id") or res.get("finished")
-    return {"command": shlex_join(argv), "configs": configs, "needs": needs}
+    return needs
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(script and --flags with their values, key=value config overrides)."""
+    head, overrides, i = [argv[0]], [], 1
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            head += argv[i : i + 1 + has_value]
+            i += 1 + has_value
+        else:
+            overrides.append(argv[i])
+            i += 1
+    return head, overrides
+
+
+def recipe(step, root: Path) -> dict:
+    """What a result is valid for: what the step trains or evaluates, and the results of the
+    steps it reads (a rerun pretraining makes its evaluations stale).
+
+    A training counts by its resolved config (the preset with the command's overrides applied)
+    and the rest of its command: a preset's comments, or a value moved into the preset that the
+    command already sets, change nothing; any value that reaches training does. Any other step
+    counts by its command line."""
+    argv = step.args()
+    if "--config" not in argv:
+        return {"command": shlex_join(argv), "needs": _needs(step, root)}
+    head, overrides = _split_command(argv)
+    config = head[head.index("--config") + 1]
+    del head[head.index("--config") : head.index("--config") + 2]
+    resolved = load_config(str(root / config), overrides).to_dict()
+    return {"script": shlex_join(head), "config": json.loads(json.dumps(resolved)),
+            "needs": _needs(step, root)}  # fmt: skip
+
+
+def _recipe_by_files(step, root: Path) -> dict:
+    """The recipe results were written with before configs were resolved: the command line
+    and its config files' sha256."""
+    argv = step.args()
+    configs = {a: sha256_file(root / a) for i, a in enumerate(argv) if argv[i - 1] == "--config"}
+    return {"command": shlex_join(argv), "configs": configs, "needs": _needs(step, root)}
 
 
 def state(step, root: Path) -> str:
@@ -77,8 +115,20 @@ def state(step, root: Path) -> str:
         done = [json.loads(p.read_text())["finished"] for n in step.needs
                 if (p := results / f"{n}.json").is_file()]  # fmt: skip
         newer = [ts for ts in done if ts > res["finished"]]
-        return "done" if res["command"] == now["command"] and not newer else "stale"
+        command = shlex_join(step.args())
+        return "done" if res["command"] == command and not newer else "stale"
+    if "configs" in res["recipe"]:  # written with config files by sha256
+        return "done" if res["recipe"] == _recipe_by_files(step, root) else "stale"
     return "done" if res["recipe"] == now else "stale"
+
+
+def _upgrade(step, root: Path) -> None:
+    """A done result written with an older recipe form gets today's (same step, same files)."""
+    path = root / step.result
+    res = json.loads(path.read_text())
+    if res.get("recipe", {}).get("config") is None:
+        res["recipe"] = recipe(step, root)
+        atomic_write_text(path, json.dumps(res, indent=2) + "\n")
 
 
 def _set_aside(step, root: Path) -> None:
@@ -172,6 +222,8 @@ def run(steps: list, root: Path, study: Path, only: list[str] | None = None) -> 
     parents = study_mlflow.parents(root / study, root)  # one MLflow parent run per method
     for step in steps:
         now = state(step, root)
+        if now == "done" and "--config" in step.args():
+            _upgrade(step, root)
         if now == "done" or (only and step.name not in only):
             continue
         if now == "stale":

@@ -157,3 +157,47 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     assert "| >= 0.9x | 0.91x (814 vs 900 images/s, fp32) | yes |" in text
     assert (res / "pretraining_curve.png").stat().st_size > 1000
     assert "](results/study/pretraining_curve.png)" in text
+
+
+TRAIN = """import argparse, json, pathlib
+p = argparse.ArgumentParser(); p.add_argument("--out"); p.add_argument("--calls")
+a, _ = p.parse_known_args()
+pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+pathlib.Path(a.out).write_text(json.dumps({"metrics": {"v": 1}})); open(a.calls, "a").write("x")
+"""
+
+
+def test_a_training_counts_by_its_resolved_config(tmp_path, monkeypatch):
+    """Comments, or a preset taking the value the command already sets, leave a training's
+    result valid; a value that reaches training makes it stale. Older results (config files by
+    sha256) are upgraded in place while their files are unchanged."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (tmp_path / "calls").mkdir()
+    (tmp_path / "train.py").write_text(TRAIN)
+    preset = tmp_path / "preset.yaml"
+    text = (ROOT / "configs/fmnist_vit_tiny_supervised.yaml").read_text()
+    preset.write_text(text)
+    out = Path("runs/study/t/out.json")
+    argv = ["train.py", "--out", str(tmp_path / out), "--calls", str(tmp_path / "calls/t"),
+            "--config", "preset.yaml", "data.crop_scale=[1.0,1.0]", "train.epochs=2"]  # fmt: skip
+    step = study.Step("t", argv, out)
+    assert study_run.run([step], tmp_path, Path("runs/study")) == 0
+    res = tmp_path / "results/study/t.json"
+    written = json.loads(res.read_text())
+    assert written["recipe"]["config"]["data"]["crop_scale"] == [1.0, 1.0]
+    # An older result (the command and the config file's sha256) is upgraded, not rerun.
+    written["recipe"] = study_run._recipe_by_files(step, tmp_path)
+    res.write_text(json.dumps(written))
+    assert study_run.state(step, tmp_path) == "done"
+    assert study_run.run([step], tmp_path, Path("runs/study")) == 0
+    assert "config" in json.loads(res.read_text())["recipe"] and _calls(tmp_path, "t") == 1
+    # The preset takes the crop the command sets, and a comment: still done.
+    preset.write_text("# flips only: chosen on held-out\n" + text.replace(
+        "crop_scale: [0.35, 1.0]", "crop_scale: [1.0, 1.0]"))  # fmt: skip
+    assert "crop_scale: [1.0, 1.0]" in preset.read_text()
+    assert study_run.state(step, tmp_path) == "done"
+    # A value that reaches training: stale, and it reruns.
+    preset.write_text(preset.read_text().replace("global_batch: 256", "global_batch: 128"))
+    assert study_run.state(step, tmp_path) == "stale"
+    assert study_run.run([step], tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "t") == 2
