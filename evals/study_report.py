@@ -329,7 +329,7 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
         "test accuracy is reported. The test split chooses nothing.",
         "",
         "Augmentation of every training run: flips and "
-        + (" ".join(f"`{o}`" for o in _augmentation()) or "the presets' crop (0.35, 1)")
+        + (" ".join(f"`{o}`" for o in _augmentation()) or "the presets'")
         + ", chosen on held-out by the crop recipes below.",
         "",
         "Machines: " + ("; ".join(machines) if machines else "none yet") + ".",
