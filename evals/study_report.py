@@ -12,12 +12,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from study_reading import KNN, PROBE, reading
+
 REFERENCES = [  # Fashion-MNIST README (zalandoresearch/fashion-mnist)
     ("human", 83.5), ("MLP", 88.3), ("2-conv CNN", 91.6), ("HOG + SVM", 92.6),
     ("ResNet18", 94.9), ("WRN-40-4", 96.7),
 ]  # fmt: skip
 SHOTS = (1, 5, 10, 25)
-KNN, PROBE = "knn_top1@k=20", "probe_top1"
 
 
 class Results:
@@ -388,6 +389,7 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
     lines += _dynamic(r, root, results)
     lines += _inspect_figures(root, results)
     lines += _goals(r, arms, epochs)
+    lines += reading(r, arms, epochs)
     lines += ["", "## Reference points (Fashion-MNIST README)", "", "| model | test accuracy |",
               "|---|---|", *(f"| {name} | {acc} |" for name, acc in REFERENCES), "",
               "The paper's MPP result (ImageNet, ViT-B/16; ViT paper sec. 4.6): 79.9% top-1 "

@@ -156,8 +156,30 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     assert "6 ep 85.0; random 60.0 | no |" in text
     assert "| 50.0 / 40.0 / 60.0 / 70.0 | no |" in text  # few-shot falls from 1 to 5 shots
     assert "| >= 0.9x | 0.91x (814 vs 900 images/s, fp32) | yes |" in text
+    # What the curves say: computed from the snapshots (85.0 at 6 epochs, +2.5 per epoch).
+    assert ("- MPP frozen kNN (k=20): +2.50 points per epoch from 2 to 4 epochs, +2.50 from 4 "
+            "to 6; 2.0 short of 87: 1 more epochs at the latest rate") in text  # fmt: skip
     assert (res / "pretraining_curve.png").stat().st_size > 1000
     assert "](results/study/pretraining_curve.png)" in text
+
+
+def test_reading_a_run_curve():
+    """A loss still falling vs flat; a sweep's held-out history is that of its chosen value."""
+    import study_reading
+
+    falling = [{"train/loss": v} for v in (4, 3, 2, 1)]
+    flat = [{"train/loss": v} for v in (4, 1, 1.0, 0.99)]
+    assert study_reading.loss_fall(falling) == 0.5  # last quarter 1 vs the one before 2
+    assert study_reading.loss_fall(flat) < study_reading.FLAT
+    assert study_reading.loss_fall(falling[:3]) is None
+
+    class R:
+        def output(self, step):
+            return {"chosen_run_dir": "b", "runs": [
+                {"run_dir": "a", "history": [[1, 0.1, 0.1]]},
+                {"run_dir": "b", "history": [[5, 0.8, 0.7], [10, 0.9, 0.8]]}]}  # fmt: skip
+
+    assert study_reading.held_out_history(R(), "ft") == [(5, 0.8), (10, 0.9)]
 
 
 TRAIN = """import argparse, json, pathlib

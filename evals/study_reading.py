@@ -1,0 +1,85 @@
+"""What the study's curves say about its goals: computed from results/study/, never typed.
+
+Issue 13 asks, where a goal is missed, by how much and what the curves say would close it.
+This reads the curves the results hold: whether each training's loss had flattened and its
+held-out accuracy was still rising at its end, and how fast the frozen features were still
+improving between the last pretraining snapshots.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import mean
+
+KNN, PROBE = "knn_top1@k=20", "probe_top1"
+FLAT = 0.05  # a loss that fell less than 5% from the third to the last quarter counts as flat
+
+
+def held_out_history(r, step: str) -> list[tuple[int, float]]:
+    """(step, held-out top-1) of a run's evaluations; a sweep's: those of the value it chose."""
+    out = r.output(step)
+    if out is None:
+        return []
+    if "runs" in out:
+        chosen = out.get("chosen_run_dir")
+        out = next((x for x in out["runs"] if x.get("run_dir") == chosen), {})
+    return [(h[0], h[1]) for h in out.get("history", [])]
+
+
+def loss_fall(rows: list[dict]) -> float | None:
+    """How much lower the mean training loss was over the last quarter of the run than over the
+    quarter before it, as a fraction (quarters, not the last steps alone: a cosine schedule
+    flattens any loss at its very end); None for a run with too few logged steps."""
+    losses = [row["train/loss"] for row in rows if "train/loss" in row]
+    n = len(losses) // 4
+    if n < 1:
+        return None
+    before, last = mean(losses[-2 * n : -n]), mean(losses[-n:])
+    return (before - last) / before
+
+
+def _training_line(r, label: str, step: str) -> str | None:
+    hist, fall = held_out_history(r, step), loss_fall(r.metric_lines(step))
+    if len(hist) < 2 or fall is None:
+        return None
+    (_, a), (_, b) = hist[-2], hist[-1]
+    loss = "flat" if fall < FLAT else "still falling"
+    acc = "still rising" if b > a else "no longer rising"
+    return (f"- {label} (seed 0): training loss {loss} ({100 * fall:.1f}% lower over the last "
+            f"quarter of the run than the quarter before); held-out top-1 {100 * a:.1f} -> "
+            f"{100 * b:.1f} over its last two evaluations ({acc}).")  # fmt: skip
+
+
+def _feature_line(r, what: str, kind: str, key: str, goal: float, epochs) -> str | None:
+    pts = [(e, r.metric(f"mpp_e{e}", kind, key)) for e in epochs]
+    pts = [(e, 100 * v) for e, v in pts if v is not None]
+    if len(pts) < 3 or pts[-1][1] >= goal:
+        return None
+    (e0, v0), (e1, v1), (e2, v2) = pts[-3:]
+    rate, before = (v2 - v1) / (e2 - e1), (v1 - v0) / (e1 - e0)
+    short = goal - v2
+    if rate <= 0:
+        need = "not by more epochs of this recipe"
+    else:
+        need = f"{math.ceil(short / rate)} more epochs at the latest rate, more as it slows"
+    return (
+        f"- MPP frozen {what}: +{before:.2f} points per epoch from {e0} to {e1} epochs, "
+        f"+{rate:.2f} from {e1} to {e2}; {short:.1f} short of {goal:.0f}: {need}."
+    )
+
+
+def reading(r, arms: dict[str, list[str]], epochs: tuple[int, ...]) -> list[str]:
+    """Markdown lines: the section, or nothing before the curves exist."""
+    found = [
+        _training_line(r, "MPP, fine-tuned", arms["mpp"][0]),
+        _training_line(r, "supervised, fine-tuned", arms["supervised"][0]),
+        _training_line(r, "from scratch", arms["scratch"][0]),
+        _feature_line(r, "kNN (k=20)", "knn", KNN, 87.0, epochs),
+        _feature_line(r, "linear probe", "probe", PROBE, 88.0, epochs),
+    ]
+    found = [line for line in found if line]
+    if not found:
+        return []
+    return ["", "## What the curves say", "",
+            "Read from the results above (a loss counts as flat below a 5% fall from the third "
+            "to the last quarter of a run):", "", *found]  # fmt: skip
