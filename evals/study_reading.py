@@ -61,10 +61,14 @@ def _feature_line(r, what: str, kind: str, key: str, goal: float, epochs) -> str
     if rate <= 0:
         need = "not by more epochs of this recipe"
     else:
-        need = f"{math.ceil(short / rate)} more epochs at the latest rate, more as it slows"
+        need = f"{math.ceil(short / rate)} more epochs at the latest rate"
+    # The snapshots are of one run: its cosine schedule takes the lr towards 0 in the last
+    # epochs, so the latest rate also says the schedule ended, not only that features saturate.
     return (
         f"- MPP frozen {what}: +{before:.2f} points per epoch from {e0} to {e1} epochs, "
-        f"+{rate:.2f} from {e1} to {e2}; {short:.1f} short of {goal:.0f}: {need}."
+        f"+{rate:.2f} from {e1} to {e2}; {short:.1f} short of {goal:.0f}: {need} (the "
+        "snapshots are of one run, whose cosine lr nears 0 by its end: a longer schedule, not "
+        "these epochs continued, is the test)."
     )
 
 

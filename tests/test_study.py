@@ -158,7 +158,7 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     assert "| >= 0.9x | 0.91x (814 vs 900 images/s, fp32) | yes |" in text
     # What the curves say: computed from the snapshots (85.0 at 6 epochs, +2.5 per epoch).
     assert ("- MPP frozen kNN (k=20): +2.50 points per epoch from 2 to 4 epochs, +2.50 from 4 "
-            "to 6; 2.0 short of 87: 1 more epochs at the latest rate") in text  # fmt: skip
+            "to 6; 2.0 short of 87: 1 more epochs at the latest rate (the") in text  # fmt: skip
     assert (res / "pretraining_curve.png").stat().st_size > 1000
     assert "](results/study/pretraining_curve.png)" in text
 
