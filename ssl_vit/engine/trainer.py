@@ -97,6 +97,7 @@ def _prepare_run_dir(cfg: Config, rank: int, header: str) -> Path:
         save_config(cfg, run_dir / "config.yaml", header)
     barrier()
     checkpoint.check_shared(run_dir, rank)
+    checkpoint.latest_tag(run_dir / "checkpoints")  # a broken pointer fails now, before setup
     return run_dir
 
 
