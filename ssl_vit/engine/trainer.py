@@ -33,7 +33,6 @@ from ssl_vit.data.stream import TrainLoader, make_train_loader
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
 from ssl_vit.engine.distributed import (
-    all_reduce_sum,
     barrier,
     device_for,
     init_distributed,
@@ -47,6 +46,7 @@ from ssl_vit.engine.optim import (
 from ssl_vit.engine.precision import run_precision, step_timer
 from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.progress import MetricWindow, TrainProgress, write_loss_plot
+from ssl_vit.engine.train_step import train_step
 from ssl_vit.io import atomic_write_text
 from ssl_vit.perf import count_train_flops, measure_matmul_peak
 from ssl_vit.tracking import Tracker
@@ -105,11 +105,6 @@ def _is_log_step(step: int, every: int, total: int) -> bool:
     return step % every == 0 or step == total
 
 
-def _grad_norm(module: torch.nn.Module) -> float:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-
-
 def _flops_per_step(objective: torch.nn.Module, cfg: Config, in_chans: int, images: int) -> float:
     """Model FLOPs of one optimizer step over `images` images, counted on the plain module
     before DeepSpeed wraps it (a forward on one rank through a ZeRO engine would be a
@@ -120,49 +115,6 @@ def _flops_per_step(objective: torch.nn.Module, cfg: Config, in_chans: int, imag
     flops = count_train_flops(objective, x, y) / 2 * images
     objective.zero_grad(set_to_none=True)
     return flops
-
-
-def _train_step(
-    engine: deepspeed.DeepSpeedEngine,
-    optimizer: torch.optim.Optimizer,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    micro: int,
-    cpu_autocast: bool,
-    window: MetricWindow,
-    want_grad_norm: bool,
-) -> tuple[bool, bool, float]:
-    """One optimizer step over the rank's batch, in micro-batches; returns
-    (loss finite, step applied, grad norm).
-
-    A non-finite loss on any rank skips the optimizer step on every rank (weights and moments
-    untouched); the step still counts, so the data and schedule stay aligned.
-    """
-    device = engine.device
-    images = images.to(device, non_blocking=True).float().div_(255)  # (B, C, H, W) in [0, 1]
-    labels = labels.to(device, non_blocking=True)
-    chunks = list(zip(images.split(micro), labels.split(micro), strict=True))
-    bad = torch.zeros((), device=device)
-    grad_norm, finite = 0.0, True
-    for i, (x, y) in enumerate(chunks):
-        with torch.autocast("cpu", torch.bfloat16, enabled=cpu_autocast):
-            loss, metrics = engine(x, y)
-        bad += ~torch.isfinite(loss.detach())
-        engine.backward(loss)
-        boundary = i == len(chunks) - 1  # grads are all-reduced now
-        if boundary:
-            finite = all_reduce_sum(bad).item() == 0
-            optimizer.skip = not finite  # ZeRO-1/2 call step() once per param group: all skip
-            if want_grad_norm:
-                grad_norm = _grad_norm(engine.module)
-        engine.step()
-        optimizer.skip = False
-        window.add(loss.detach(), metrics)
-    applied = finite and engine.was_step_applied()  # False on an fp16 overflow too
-    reported = engine.get_global_grad_norm()  # set under ZeRO / half precision only
-    if want_grad_norm and reported is not None:
-        grad_norm = float(reported)
-    return finite, applied, grad_norm
 
 
 def _save_run_id(tracker: Tracker, path: Path) -> None:
@@ -367,7 +319,7 @@ def train(cfg: Config, header: str = "") -> Path:
         for images, labels, t_data in _batches(s.loader, n, s.total_steps):
             torch.manual_seed(cfg.run.seed * 1_000_003 + s.rank * 7_919 + n.step)
             log_now = _is_log_step(n.step + 1, cfg.run.log_every, s.total_steps)
-            finite, applied, grad_norm = _train_step(
+            finite, applied, grad_norm = train_step(
                 s.engine, s.optimizer, images, labels, s.micro, s.cpu_autocast,
                 step_log.window, log_now,
             )  # fmt: skip
