@@ -45,8 +45,9 @@ def _training_line(r, label: str, step: str) -> str | None:
     (_, a), (_, b) = hist[-2], hist[-1]
     loss = "flat" if fall < FLAT else "still falling"
     acc = "still rising" if b > a else "no longer rising"
-    return (f"- {label} (seed 0): training loss {loss} ({100 * fall:.1f}% lower over the last "
-            f"quarter of the run than the quarter before); held-out top-1 {100 * a:.1f} -> "
+    way = "lower" if fall >= 0 else "higher"
+    return (f"- {label} (seed 0): training loss {loss} ({100 * abs(fall):.1f}% {way} over the "
+            f"last quarter of the run than the quarter before); held-out top-1 {100 * a:.1f} -> "
             f"{100 * b:.1f} over its last two evaluations ({acc}).")  # fmt: skip
 
 
