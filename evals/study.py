@@ -50,7 +50,7 @@ BUDGET = (
     f"pretraining {PRETRAIN_EPOCHS} epochs at batch 256; fine-tuning {FINETUNE_EPOCHS} epochs at "
     f"batch 128 and 28 px (lr from {{{FINETUNE_LRS}}} on held-out, seed 0); from scratch "
     f"{SCRATCH_EPOCHS} epochs (the supervised preset's recipe, best evaluation on held-out); "
-    f"{len(SEEDS)} seeds of each fine-tune and of from scratch"
+    f"{len(SEEDS)} seeds of each fine-tune (of one pretraining per method) and of from scratch"
 )
 CHECKPOINT_EVERY = 50  # a stop costs at most a minute of a run
 MPP = "configs/fmnist_vit_tiny_mpp.yaml"
