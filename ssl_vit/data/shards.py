@@ -98,7 +98,7 @@ def read_shard(
 ) -> Iterator[dict]:
     """Raw samples of one shard (ssl_vit.data.tar_reader), tagged with `__index__`; only those
     whose index passes `keep`. A shard that fails or ends early counts its lost kept samples."""
-    errors: list[BaseException] = []
+    error: Exception | None = None  # what ended the shard, if anything did
     pos = 0
     try:
         for sample in iter_samples(ref.path):
@@ -111,13 +111,13 @@ def read_shard(
                 sample["__index__"] = index
                 yield sample
     except (OSError, TarFormatError, UnicodeDecodeError) as e:  # ends the shard; counted below
-        errors.append(e)
-    if errors or pos < ref.num_samples:
+        error = e
+    if error is not None or pos < ref.num_samples:
         lost = range(ref.offset + pos, ref.offset + ref.num_samples)
         n_lost = sum(1 for i in lost if keep is None or keep(i))
         # Streams that share the shard count the error once: the owner of the first lost sample.
         owner = keep is None or keep(ref.offset + min(pos, ref.num_samples - 1))
         counter.add(samples=n_lost, shard_errors=int(owner))
         if owner:
-            why = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "ended early"
+            why = f"{type(error).__name__}: {error}" if error is not None else "ended early"
             report_skip(f"{ref.path}: read {pos} of {ref.num_samples} samples ({why})")
