@@ -42,6 +42,13 @@ FINETUNE_EPOCHS = 2
 SCRATCH_EPOCHS = PRETRAIN_EPOCHS + FINETUNE_EPOCHS  # equal total compute
 SEEDS = (0, 1, 2)  # fine-tuning (and from-scratch) seeds of the main comparison
 FINETUNE_LRS = "0.003,0.01,0.03,0.06"  # the paper's grid (appendix B.1.1)
+# The longer schedule (issue 13 item 2): one MPP pretraining LONG_PRETRAIN_EPOCHS long, its
+# frozen features at LONG_SNAPSHOTS, a fine-tune of LONG_FINETUNE_EPOCHS (the 2-epoch fine-tune's
+# loss was still falling) and from scratch for their sum; single seed, marked so.
+LONG_PRETRAIN_EPOCHS = 16
+LONG_SNAPSHOTS = (2, 4, 8, 16)
+LONG_FINETUNE_EPOCHS = 4
+LONG_SCRATCH_EPOCHS = LONG_PRETRAIN_EPOCHS + LONG_FINETUNE_EPOCHS
 FINETUNE = [  # 28 px: the pretraining resolution (16 tokens), for the budget
     "model.img_size=28", f"train.epochs={FINETUNE_EPOCHS}", "optim.warmup_steps=100",
     "run.eval_every=235",  # 4 held-out evaluations per run to choose among
@@ -82,12 +89,18 @@ class Step:
         return RESULTS / f"{self.name}.json"
 
 
-def _pretrain(name: str, config: str, script: str, *overrides: str) -> Step:
+def _pretrain(
+    name: str,
+    config: str,
+    script: str,
+    *overrides: str,
+    epochs: int = PRETRAIN_EPOCHS,
+    snapshots: tuple[int, ...] = SNAPSHOTS,
+) -> Step:
     run = STUDY / name
-    snapshots = ",".join(map(str, SNAPSHOTS))
+    exports = ",".join(map(str, snapshots))
     argv = [script, "--config", config, f"run.dir={run}", *COMMON,
-            f"train.epochs={PRETRAIN_EPOCHS}", f"run.export_epochs=[{snapshots}]",
-            *overrides]  # fmt: skip
+            f"train.epochs={epochs}", f"run.export_epochs=[{exports}]", *overrides]  # fmt: skip
     return Step(name, lambda: [*argv, *chosen_augmentation()], run / "export" / "objective.json",
                 run_dir=run)  # fmt: skip
 
@@ -121,9 +134,10 @@ def chosen_lr(sweep_step: str) -> float:
     return res["chosen"]["optim.lr"]
 
 
-def _finetune(pretrain: str, seed: int) -> Step:
+def _finetune(pretrain: str, seed: int, epochs: int = FINETUNE_EPOCHS) -> Step:
     name, run = f"ft_{pretrain}_s{seed}", STUDY / f"ft_{pretrain}_s{seed}"
-    base = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *FINETUNE,
+    schedule = [f"train.epochs={epochs}" if a.startswith("train.epochs=") else a for a in FINETUNE]
+    base = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *schedule,
             f"model.init_from={STUDY / pretrain}", f"run.seed={seed}"]  # fmt: skip
     if seed == SEEDS[0]:  # the lr sweep; the other seeds reuse its choice
         sweep = lambda: [*base, *chosen_augmentation(), "--sweep", f"optim.lr={FINETUNE_LRS}"]  # noqa: E731
@@ -133,11 +147,11 @@ def _finetune(pretrain: str, seed: int) -> Step:
                 (pretrain,), run)  # fmt: skip
 
 
-def _scratch(seed: int) -> Step:
-    run = STUDY / f"scratch_s{seed}"
+def _scratch(seed: int, epochs: int = SCRATCH_EPOCHS, name: str = "scratch") -> Step:
+    run = STUDY / f"{name}_s{seed}"
     argv = ["pipelines/supervised_pretrain.py", "--config", SUP, f"run.dir={run}", *COMMON,
-            f"train.epochs={SCRATCH_EPOCHS}", f"run.seed={seed}"]  # fmt: skip
-    return Step(f"scratch_s{seed}", lambda: [*argv, *chosen_augmentation()], run / "results.json",
+            f"train.epochs={epochs}", f"run.seed={seed}"]  # fmt: skip
+    return Step(run.name, lambda: [*argv, *chosen_augmentation()], run / "results.json",
                 run_dir=run)  # fmt: skip
 
 
@@ -267,6 +281,12 @@ def plan() -> list[Step]:
         _finetune("mixer", SEEDS[0]),
         _inspect("mpp"),
         _inspect("mixer"),
+        # The longer schedule (single seed): does pretraining longer keep paying, and does a
+        # longer fine-tune close the gap to from scratch at equal compute?
+        _pretrain("mpp_long", MPP, py, epochs=LONG_PRETRAIN_EPOCHS, snapshots=LONG_SNAPSHOTS),
+        _finetune("mpp_long", SEEDS[0], LONG_FINETUNE_EPOCHS),
+        *_snapshot_evals("mpp_long", LONG_SNAPSHOTS),
+        _scratch(SEEDS[0], LONG_SCRATCH_EPOCHS, "scratch_long"),
         # Ablations (single seed): the corruption rate and the target (sec. 4.6, B.1.2), and
         # the [class] token read-out.
         _pretrain("mpp15", MPP, py, "objective.corrupt_ratio=0.15"),
