@@ -39,6 +39,7 @@ def loss_fall(rows: list[dict]) -> float | None:
 
 
 def _training_line(r, label: str, step: str) -> str | None:
+    """Whether a training's loss had flattened and its held-out accuracy was still rising."""
     hist, fall = held_out_history(r, step), loss_fall(r.metric_lines(step))
     if len(hist) < 2 or fall is None:
         return None
@@ -46,13 +47,15 @@ def _training_line(r, label: str, step: str) -> str | None:
     loss = "flat" if fall < FLAT else "still falling"
     acc = "still rising" if b > a else "no longer rising"
     way = "lower" if fall >= 0 else "higher"
-    return (f"- {label} (seed 0): training loss {loss} ({100 * abs(fall):.1f}% {way} over the "
+    return (f"- {label}: training loss {loss} ({100 * abs(fall):.1f}% {way} over the "
             f"last quarter of the run than the quarter before); held-out top-1 {100 * a:.1f} -> "
             f"{100 * b:.1f} over its last two evaluations ({acc}).")  # fmt: skip
 
 
-def _feature_line(r, what: str, kind: str, key: str, goal: float, epochs) -> str | None:
-    pts = [(e, r.metric(f"mpp_e{e}", kind, key)) for e in epochs]
+def _feature_line(r, what: str, kind: str, key: str, goal: float, pretraining) -> str | None:
+    """How fast a pretraining run's frozen features still improved between its snapshots."""
+    run_label, run, epochs = pretraining
+    pts = [(e, r.metric(f"{run}_e{e}", kind, key)) for e in epochs]
     pts = [(e, 100 * v) for e, v in pts if v is not None]
     if len(pts) < 3 or pts[-1][1] >= goal:
         return None
@@ -66,22 +69,42 @@ def _feature_line(r, what: str, kind: str, key: str, goal: float, epochs) -> str
     # The snapshots are of one run: its cosine schedule takes the lr towards 0 in the last
     # epochs, so the latest rate also says the schedule ended, not only that features saturate.
     return (
-        f"- MPP frozen {what}: +{before:.2f} points per epoch from {e0} to {e1} epochs, "
-        f"+{rate:.2f} from {e1} to {e2}; {short:.1f} short of {goal:.0f}: {need} (the "
+        f"- MPP frozen {what} ({run_label}): {before:+.2f} points per epoch from {e0} to {e1} "
+        f"epochs, {rate:+.2f} from {e1} to {e2}; {short:.1f} short of {goal:.0f}: {need} (the "
         "snapshots are of one run, whose cosine lr nears 0 by its end: a longer schedule, not "
         "these epochs continued, is the test)."
     )
 
 
-def reading(r, arms: dict[str, list[str]], epochs: tuple[int, ...]) -> list[str]:
-    """Markdown lines: the section, or nothing before the curves exist."""
+def _schedule_line(r, what: str, kind: str, key: str, pretrainings) -> str | None:
+    """The frozen features at the end of each pretraining run: what a longer schedule gave."""
+    ends = [(label, eps[-1], r.metric(f"{run}_e{eps[-1]}", kind, key))
+            for label, run, eps in pretrainings]  # fmt: skip
+    ends = [(label, e, 100 * v) for label, e, v in ends if v is not None]
+    if len(ends) < 2:
+        return None
+    (_, e0, v0), (_, e1, v1) = ends[0], ends[-1]
+    return (f"- MPP frozen {what} at the end of each run: {v0:.1f} after {e0} epochs, {v1:.1f} "
+            f"after {e1} ({v1 - v0:+.1f} points for {e1 / e0:.1f}x the pretraining).")  # fmt: skip
+
+
+def reading(r, arms: dict[str, list[str]], pretrainings: list, long_arms: tuple[str, str]
+            ) -> list[str]:  # fmt: skip
+    """Markdown lines: the section, or nothing before the curves exist. `pretrainings`:
+    (label, step, snapshot epochs) of each MPP pretraining; `long_arms`: the longer schedule's
+    fine-tune and from-scratch steps."""
     found = [
-        _training_line(r, "MPP, fine-tuned", arms["mpp"][0]),
-        _training_line(r, "supervised, fine-tuned", arms["supervised"][0]),
-        _training_line(r, "from scratch", arms["scratch"][0]),
-        _feature_line(r, "kNN (k=20)", "knn", KNN, 87.0, epochs),
-        _feature_line(r, "linear probe", "probe", PROBE, 88.0, epochs),
+        _training_line(r, "MPP, fine-tuned (seed 0)", arms["mpp"][0]),
+        _training_line(r, "supervised, fine-tuned (seed 0)", arms["supervised"][0]),
+        _training_line(r, "from scratch (seed 0)", arms["scratch"][0]),
+        _training_line(r, "MPP, fine-tuned, longer schedule", long_arms[0]),
+        _training_line(r, "from scratch, longer schedule", long_arms[1]),
     ]
+    for pretraining in pretrainings:
+        found += [_feature_line(r, "kNN (k=20)", "knn", KNN, 87.0, pretraining),
+                  _feature_line(r, "linear probe", "probe", PROBE, 88.0, pretraining)]  # fmt: skip
+    found += [_schedule_line(r, "kNN (k=20)", "knn", KNN, pretrainings),
+              _schedule_line(r, "linear probe", "probe", PROBE, pretrainings)]  # fmt: skip
     found = [line for line in found if line]
     if not found:
         return []

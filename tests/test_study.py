@@ -139,6 +139,11 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
         acc = 0.60 if v is None else v
         _write(res, f"{name}/knn", {"metrics": {study_report.KNN: acc}})
         _write(res, f"{name}/probe", {"metrics": {study_report.PROBE: acc + 0.01}})
+    # The longer schedule: one seed of each, its own snapshots (study.LONG_SNAPSHOTS).
+    _write(res, "ft_mpp_long_s0", {**sweep, "selected_top1": 0.905})
+    _write(res, "scratch_long_s0", {"selected_top1": 0.89})
+    for e, v in ((2, 0.72), (4, 0.78), (8, 0.84), (16, 0.86)):
+        _write(res, f"mpp_long_e{e}/knn", {"metrics": {study_report.KNN: v}})
     accs = (0.5, 0.4, 0.6, 0.7)
     few = {f"fewshot_{n}shot_mean": a for n, a in zip((1, 5, 10, 25), accs, strict=True)}
     _write(res, "pixels/fewshot", {"metrics": few})
@@ -157,8 +162,20 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     assert "| 50.0 / 40.0 / 60.0 / 70.0 | no |" in text  # few-shot falls from 1 to 5 shots
     assert "| >= 0.9x | 0.91x (814 vs 900 images/s, fp32) | yes |" in text
     # What the curves say: computed from the snapshots (85.0 at 6 epochs, +2.5 per epoch).
-    assert ("- MPP frozen kNN (k=20): +2.50 points per epoch from 2 to 4 epochs, +2.50 from 4 "
-            "to 6; 2.0 short of 87: 1 more epochs at the latest rate (the") in text  # fmt: skip
+    reading = (
+        "- MPP frozen kNN (k=20) (6-epoch run): +2.50 points per epoch from 2 to 4 "
+        "epochs, +2.50 from 4 to 6; 2.0 short of 87: 1 more epochs at the latest rate"
+    )
+    assert reading in text
+    # the longer schedule: its row beside the shorter budget's seed 0, its goals, its reading
+    assert "| 6 + 2 (seed 0) | 90.0 | 88.0 | +2.00 | 0.01 (held-out" in text
+    assert "| 16 + 4 (seed 0) | 90.5 | 89.0 | +1.50 | 0.01 (held-out" in text
+    assert "| MPP fine-tuned, longer schedule (1 seed) | >= 93.0 | 90.50 | no |" in text
+    # +1.50 clears +1.0 but not twice the shorter budget's largest std (2 x 2.00)
+    assert "| +1.50 (2 std = 4.00) | no |" in text
+    assert "2 ep 72.0, 4 ep 78.0, 8 ep 84.0, 16 ep 86.0; random 60.0 | no |" in text
+    assert ("- MPP frozen kNN (k=20) at the end of each run: 85.0 after 6 epochs, 86.0 after 16 "
+            "(+1.0 points for 2.7x the pretraining).") in text  # fmt: skip
     assert (res / "pretraining_curve.png").stat().st_size > 1000
     assert "](results/study/pretraining_curve.png)" in text
 
