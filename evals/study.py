@@ -263,7 +263,7 @@ def plan() -> list[Step]:
             [
                 "benchmarks/train_throughput.py",
                 "--steps",
-                "60",
+                "80",
                 "--out",
                 str(STUDY / "speed" / "train_throughput.json"),
             ],

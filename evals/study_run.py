@@ -19,7 +19,7 @@ from pathlib import Path
 
 import study_mlflow
 
-from ssl_vit.config import load_config
+from ssl_vit.config import load_config, training_settings
 from ssl_vit.io import atomic_write_text, sha256_file
 from ssl_vit.perf import describe_machine
 
@@ -119,7 +119,14 @@ def state(step, root: Path) -> str:
         return "done" if res["command"] == command and not newer else "stale"
     if "configs" in res["recipe"]:  # written with config files by sha256
         return "done" if res["recipe"] == _recipe_by_files(step, root) else "stale"
-    return "done" if res["recipe"] == now else "stale"
+    return "done" if _settings(res["recipe"]) == _settings(now) else "stale"
+
+
+def _settings(recipe: dict) -> dict:
+    """A recipe less what changes how a training executes but not what it trains."""
+    if "config" not in recipe:  # an evaluation: its command line
+        return recipe
+    return {**recipe, "config": training_settings(recipe["config"])}
 
 
 def _upgrade(step, root: Path) -> None:
@@ -183,7 +190,8 @@ def shlex_join(argv: list[str]) -> str:
     return shlex.join(["python", *argv])
 
 
-def _execute(step, root: Path, study: Path, parents) -> int:
+def _execute(step, root: Path, study: Path, parents, keep_result: bool = False) -> int:
+    """Run the step's command; record its result unless `keep_result` (a rebuilt export)."""
     log = root / study / "logs" / f"{step.name.replace('/', '-')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     argv = step.args()
@@ -196,18 +204,26 @@ def _execute(step, root: Path, study: Path, parents) -> int:
     if rc != 0:
         print(f"[study] {step.name} failed (exit {rc}); see {log}", flush=True)
         return rc
+    if keep_result:
+        print(f"[study] {step.name}: export rebuilt; its result stands", flush=True)
+        return 0
     record(step, root, seconds)
     study_mlflow.log_step(parents, step.name, root / step.output)
     return 0
 
 
 def _ensure(step, by_name: dict, root: Path, study: Path, parents) -> int:
-    """Run the steps whose exports `step` reads, where those exports are gone."""
+    """Run the steps whose exports `step` reads, where those exports are gone (a new machine).
+    A rebuilt export is a cache of its step: the step's result (and so every result that names
+    it) stands when its recipe is unchanged."""
     for need in step.needs:
         dep = by_name[need]
         if not (root / dep.output).is_file():
             print(f"[study] {step.name} needs {need}'s export: running {need} again", flush=True)
-            rc = _ensure(dep, by_name, root, study, parents) or _execute(dep, root, study, parents)
+            keep = state(dep, root) == "done"
+            rc = _ensure(dep, by_name, root, study, parents) or _execute(
+                dep, root, study, parents, keep_result=keep
+            )
             if rc:
                 return rc
     return 0

@@ -124,7 +124,9 @@ class TrainConfig:
     # Merged last into DeepSpeed's JSON config, e.g. {zero_optimization: {offload_optimizer:
     # {device: cpu}}} or a lower stage3_param_persistence_threshold
     deepspeed: dict[str, Any] = field(default_factory=dict)
-    compile: bool = False  # torch.compile the model (GPU)
+    # torch.compile each model block in place: true, false, or auto (on for long runs where
+    # Inductor can build kernels; ssl_vit.engine.compile says when and why)
+    compile: Any = False
 
 
 @dataclass
@@ -159,6 +161,16 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
+
+
+def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config dict, as YAML reads it back, less the keys that change how a run executes but
+    not what it trains (tracking, train.compile): what two runs must share for one's result to
+    stand for the other's (a sweep's finished values, the study's steps)."""
+    out = yaml.safe_load(yaml.safe_dump(cfg))
+    out.pop("tracking", None)
+    out.get("train", {}).pop("compile", None)
+    return out
 
 
 def _plain(obj: Any) -> Any:
@@ -301,6 +313,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("train.steps / train.epochs must be positive")
     if t.precision not in ("auto", "bf16", "fp16", "fp32"):
         raise ConfigError(f"train.precision={t.precision!r}: choose auto, bf16, fp16 or fp32")
+    if t.compile not in (True, False, "auto"):
+        raise ConfigError(f"train.compile={t.compile!r}: choose true, false or auto")
+    if t.compile is True and t.zero_stage == 3:
+        raise ConfigError(
+            "train.compile=true does not run under ZeRO-3 here (its parameter hooks run inside "
+            "each block); set train.compile=auto or false"
+        )
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stages are 0-3")
     if cfg.optim.schedule not in ("cosine", "linear"):

@@ -35,9 +35,11 @@ def _calls(tmp: Path, name: str) -> int:
 def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     (tmp_path / "calls").mkdir()
-    steps = [_step("pre", tmp_path), _step("pre_e1/knn", tmp_path, ("pre",))]
+    steps = [_step("pre", tmp_path), _step("pre_e1/knn", tmp_path, ("pre",)),
+             _step("pre_e2/knn", tmp_path, ("pre",))]  # fmt: skip
     assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
     assert _calls(tmp_path, "pre") == 1 and _calls(tmp_path, "pre_e1-knn") == 1
+    pre_result = (tmp_path / "results/study/pre.json").read_text()
     res = json.loads((tmp_path / "results/study/pre_e1/knn.json").read_text())
     assert res["result"] == {"metrics": {"v": 1}} and res["seconds"] > 0
     assert res["command"].startswith("python -c") and res["machine"]
@@ -51,6 +53,11 @@ def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch
     (tmp_path / "results/study/pre_e1/knn.json").unlink()
     assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
     assert _calls(tmp_path, "pre") == 2 and _calls(tmp_path, "pre_e1-knn") == 2
+    # The rebuilt export is a cache: the pretraining's result, and so the result of the other
+    # step that reads it, stand.
+    assert (tmp_path / "results/study/pre.json").read_text() == pre_result
+    assert [study_run.state(s, tmp_path) for s in steps] == ["done"] * 3
+    assert _calls(tmp_path, "pre_e2-knn") == 1
     # Output there but no result (stopped between the two): recorded without rerunning.
     (tmp_path / "results/study/pre_e1/knn.json").unlink()
     assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
@@ -59,10 +66,10 @@ def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch
     # A changed recipe (here: the pretraining's command) makes its result stale, and so the
     # results of the steps that read its export: both rerun, the old output is kept aside.
     steps[0].argv.append("changed")
-    assert [study_run.state(s, tmp_path) for s in steps] == ["stale", "done"]
+    assert [study_run.state(s, tmp_path) for s in steps] == ["stale", "done", "done"]
     assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
     assert _calls(tmp_path, "pre") == 3 and _calls(tmp_path, "pre_e1-knn") == 3
-    assert [study_run.state(s, tmp_path) for s in steps] == ["done", "done"]
+    assert [study_run.state(s, tmp_path) for s in steps] == ["done"] * 3
     assert len(list((tmp_path / "runs/study/pre").glob("out.json.stale-*"))) == 1
 
 
@@ -208,9 +215,10 @@ pathlib.Path(a.out).write_text(json.dumps({"metrics": {"v": 1}})); open(a.calls,
 
 
 def test_a_training_counts_by_its_resolved_config(tmp_path, monkeypatch):
-    """Comments, or a preset taking the value the command already sets, leave a training's
-    result valid; a value that reaches training makes it stale. Older results (config files by
-    sha256) are upgraded in place while their files are unchanged."""
+    """Comments, a preset taking the value the command already sets, or a setting of how it
+    executes (train.compile) leave a training's result valid; a value that reaches training
+    makes it stale. Older results (config files by sha256) are upgraded in place while their
+    files are unchanged."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     (tmp_path / "calls").mkdir()
     (tmp_path / "train.py").write_text(TRAIN)
@@ -236,6 +244,10 @@ def test_a_training_counts_by_its_resolved_config(tmp_path, monkeypatch):
     preset.write_text("# flips only: chosen on held-out\n" + text.replace(
         "crop_scale: [0.35, 1.0]", "crop_scale: [1.0, 1.0]"))  # fmt: skip
     assert "crop_scale: [1.0, 1.0]" in preset.read_text()
+    assert study_run.state(step, tmp_path) == "done"
+    # How it executes, not what it trains (torch.compile): still done.
+    preset.write_text(preset.read_text().replace("compile: auto", "compile: false"))
+    assert "compile: false" in preset.read_text()
     assert study_run.state(step, tmp_path) == "done"
     # A value that reaches training: stale, and it reruns.
     preset.write_text(preset.read_text().replace("global_batch: 256", "global_batch: 128"))

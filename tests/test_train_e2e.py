@@ -85,10 +85,14 @@ def test_pretrain_exports_tracks_and_resumes(tiny_shards, tmp_path):
     model, _ = load_backbone(run_dir)
     assert load_objective(run_dir, model, meta["mean"], meta["std"]) is not None
 
-    # Same command, more steps: resumes at 8, same MLflow run, no duplicated metric step.
+    assert "torch.compile off (train.compile=false)" in proc.stderr
+
+    # Same command, more steps: resumes at 8, same MLflow run, no duplicated metric step. It
+    # resumes compiled: each block compiled in place keeps the eager model's checkpoint keys.
     args[args.index("train.steps=8")] = "train.steps=12"
-    proc = run_cli(["pipelines/mpp_pretrain.py", *args])
+    proc = run_cli(["pipelines/mpp_pretrain.py", *args, "train.compile=true"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torch.compile on: each block (train.compile=true)" in proc.stderr
     assert metric_steps(run_dir) == [2, 4, 6, 8, 10, 12]
     assert (run_dir / "mlflow_run_id").read_text().strip() == run_id
 
@@ -355,6 +359,9 @@ def test_sweep_retrains_a_value_whose_settings_changed(tmp_path):
     save_config(load_config("configs/fmnist_finetune.yaml", base), out / "config.yaml", "# h")
     tracked = load_config("configs/fmnist_finetune.yaml", [*base, "tracking.parent_run_id=abc"])
     _set_aside_if_changed(out, tracked)  # tracking does not change what was trained
+    assert out.is_dir()
+    compiled = load_config("configs/fmnist_finetune.yaml", [*base, "train.compile=true"])
+    _set_aside_if_changed(out, compiled)  # nor does compiling the same arithmetic
     assert out.is_dir()
     changed = load_config("configs/fmnist_finetune.yaml", [*base, "train.epochs=3"])
     _set_aside_if_changed(out, changed)

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ssl_vit.config import Config, ConfigError, holdout_fraction, load_config
+from ssl_vit.config import Config, ConfigError, holdout_fraction, load_config, training_settings
 from ssl_vit.io import atomic_write_text
 
 log = logging.getLogger("ssl_vit.train")
@@ -126,16 +126,11 @@ def run_sweep(
     return result
 
 
-def _comparable(cfg: dict) -> dict:
-    """A config as YAML reads it back, less what does not change training (tracking)."""
-    return {k: v for k, v in yaml.safe_load(yaml.safe_dump(cfg)).items() if k != "tracking"}
-
-
 def _set_aside_if_changed(out: Path, cfg: Config) -> None:
     """A value's run directory trained under other settings moves to `<dir>.stale-<time>`."""
     saved = out / "config.yaml"
-    if not saved.is_file() or _comparable(yaml.safe_load(saved.read_text())) == _comparable(
-        cfg.to_dict()
+    if not saved.is_file() or training_settings(yaml.safe_load(saved.read_text())) == (
+        training_settings(cfg.to_dict())
     ):
         return
     dest = out.with_name(f"{out.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")

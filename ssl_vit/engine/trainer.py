@@ -32,6 +32,7 @@ from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.stream import TrainLoader, make_train_loader
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
+from ssl_vit.engine.compile import compile_blocks, eager, resolve_compile
 from ssl_vit.engine.distributed import (
     barrier,
     device_for,
@@ -225,10 +226,15 @@ def _setup(cfg: Config, header: str) -> _Setup:
     if ds_config["zero_optimization"]["stage"] == 3:
         zero.register_loose_parameters(objective)
     engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
-    if cfg.train.compile and device.type == "cuda":
-        engine.compile()
+    images = total_steps * cfg.train.global_batch
+    compiled, why = resolve_compile(cfg.train.compile, images, cfg.train.zero_stage, device)
+    if compiled:
+        compiled = compile_blocks(engine.module) > 0
+    if rank == 0:
+        log.info("torch.compile %s (%s)", "on: each block" if compiled else "off", why)
     cpu_autocast = device.type == "cpu" and precision == "bf16"
-    derived = {"world_size": world, "accum": accum, "micro": micro, "precision": precision}
+    derived = {"world_size": world, "accum": accum, "micro": micro, "precision": precision,
+               "compile": compiled}  # fmt: skip
     return _Setup(
         cfg, rank, world, micro, run_dir, manifest, spec, objective_options, precision,
         cpu_autocast, loader, total_steps, flops, engine, optimizer, schedule, derived,
@@ -329,12 +335,14 @@ def train(cfg: Config, header: str = "") -> Path:
             step_log.window.end_step(t_data)
             row = step_log.write(n, grad_norm) if log_now else None
             progress.update(n.step, row)
-            evals.maybe_run(s.engine.module, n.step, tracker)
+            with eager():  # evaluation graphs are not worth their compile
+                evals.maybe_run(s.engine.module, n.step, tracker)
             if n.step % cfg.run.checkpoint_every == 0 or n.step == s.total_steps:
                 _save_checkpoint(s, n, evals)
             _export_snapshot(s, tracker, n.step)
         progress.close()
-        export_dir = _finish(s, tracker, evals, n)
+        with eager():
+            export_dir = _finish(s, tracker, evals, n)
     barrier()
     sys.stdout.flush()
     return export_dir

@@ -1,0 +1,73 @@
+"""torch.compile for training: each repeated block of the model compiled in place.
+
+Blocks, not the whole objective: the objectives hold data-dependent Python (MPP's corruption,
+the cascade's exits) that breaks graphs, while every `blocks.<i>` (a ViT or Mixer block) is one
+static graph, traced once and reused by every block of the same shape. Measured on 2 CPU cores,
+fp32, the MPP preset's model, batch 256: eager 1034, blocks compiled 1166 (+13%), the whole
+objective compiled 1083 images/s. In place (`nn.Module.compile`), so state_dict keys stay the
+eager model's: checkpoints, resume and exports are the same files either way.
+
+Evaluations during training run the same blocks eagerly (`eager`): they are a small share of
+a run, and their other batch sizes and no-grad graphs would each cost a compile of their own.
+
+`train.compile`: true, false, or auto: on when the run trains on enough images to pay back the
+compile (about 20 s on 2 CPU cores against 13% of each step), Inductor can build kernels here
+(a GPU, or a C++ compiler for the CPU's), and ZeRO-3 is off (its parameter hooks run inside
+each block's forward; compiled ZeRO-3 is left to DeepSpeed's own `engine.compile` work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+
+import torch
+from torch import nn
+
+from ssl_vit.config import ConfigError
+
+# Compiling costs ~20 s on 2 CPU cores and saves ~13% of ~1 ms per image of the preset model:
+# it pays back after ~150k images; auto asks for three times that.
+AUTO_MIN_IMAGES = 500_000
+_BLOCK = re.compile(r"(^|\.)blocks\.\d+$")
+
+
+def _cpu_compiler() -> str | None:
+    """The C++ compiler Inductor would use for CPU kernels, if there is one."""
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")
+
+
+def resolve_compile(requested: object, total_images: int, zero_stage: int,
+                    device: torch.device) -> tuple[bool, str]:  # fmt: skip
+    """(compile or not, why) for `train.compile` = `requested` (true, false or "auto") and a
+    run of `total_images` (steps x global batch)."""
+    if requested is False:
+        return False, "train.compile=false"
+    if zero_stage == 3:  # train.compile=true is refused with ZeRO-3 by config validation
+        return False, "auto: off under ZeRO-3"
+    if device.type == "cpu" and _cpu_compiler() is None:
+        if requested is True:
+            raise ConfigError("train.compile=true needs a C++ compiler for Inductor's CPU kernels "
+                              "(none found as $CXX, g++ or clang++): install g++ or set "
+                              "train.compile=false")  # fmt: skip
+        return False, "auto: off, no C++ compiler for CPU kernels"
+    if requested is True:
+        return True, "train.compile=true"
+    if total_images < AUTO_MIN_IMAGES:
+        return False, f"auto: off, {total_images} images < {AUTO_MIN_IMAGES} do not pay it back"
+    return True, f"auto: on, {total_images} images"
+
+
+def compile_blocks(module: nn.Module) -> int:
+    """Compile every `blocks.<i>` submodule in place; returns how many."""
+    blocks = [m for name, m in module.named_modules() if _BLOCK.search(name)]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def eager() -> contextlib.AbstractContextManager:
+    """Run compiled modules eagerly inside (evaluations during training)."""
+    return torch.compiler.set_stance("force_eager")
