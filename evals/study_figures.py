@@ -23,7 +23,8 @@ def line_plot(out: Path, series: list[Series], xlabel: str, ylabel: str, title: 
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for label, xs, ys, *style in series:
-        ax.plot(xs, ys, marker="o" if len(xs) < 12 else None, label=label, **(style or [{}])[0])
+        ax.plot(xs, ys, label=label, **{"marker": "o" if len(xs) < 12 else None,
+                                        **(style or [{}])[0]})  # fmt: skip
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log" if log_y else "linear")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -50,6 +51,11 @@ def curve_figure(r, out: Path, runs: list[tuple[str, str, tuple[int, ...]]]) -> 
             style = {"color": colour, "linestyle": ("-", "--", ":")[i % 3]}
             name = f"{label}, {run_label}" if len(runs) > 1 else label
             series.append((name, [e for e, _ in pts], [v for _, v in pts], style))
+    last = max((e for _, _, eps in runs for e in eps), default=0)
+    for label, kind, key, colour in FEATURE_MEASURES:  # what the features must beat
+        if (pixels := r.metric("pixels", kind, key)) is not None:
+            style = {"color": colour, "linestyle": ":", "marker": None, "alpha": 0.6}
+            series.append((f"{label}, raw pixels", [0, last], [100 * pixels] * 2, style))
     return line_plot(out, series, "MPP pretraining epochs (0: random init)", "test top-1 (%)",
                      "Frozen MPP features against pretraining length")  # fmt: skip
 
