@@ -14,6 +14,7 @@ have drawn.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -317,6 +318,8 @@ def train(cfg: Config, header: str = "") -> Path:
     tracker = _open_tracker(cfg, s.run_dir, s.rank, n.step == 0, s.derived, s.spec.source_run_id)
     step_log = _StepLog(s, tracker, n.step)
     progress = TrainProgress(s.total_steps, n.step, enabled=s.rank == 0)
+    # compiled blocks run eager in evaluations: their graphs are not worth a compile of their own
+    evaluating = eager if s.derived["compile"] else contextlib.nullcontext
     evals = InTrainingEvals(
         cfg, s.manifest, s.spec, s.rank, s.world, s.loader.steps_per_epoch,
         s.total_steps, s.cpu_autocast, state, export=s.export,
@@ -335,13 +338,13 @@ def train(cfg: Config, header: str = "") -> Path:
             step_log.window.end_step(t_data)
             row = step_log.write(n, grad_norm) if log_now else None
             progress.update(n.step, row)
-            with eager():  # evaluation graphs are not worth their compile
+            with evaluating():
                 evals.maybe_run(s.engine.module, n.step, tracker)
             if n.step % cfg.run.checkpoint_every == 0 or n.step == s.total_steps:
                 _save_checkpoint(s, n, evals)
             _export_snapshot(s, tracker, n.step)
         progress.close()
-        with eager():
+        with evaluating():
             export_dir = _finish(s, tracker, evals, n)
     barrier()
     sys.stdout.flush()
