@@ -13,7 +13,6 @@ from itertools import count
 import numpy as np
 import torch
 import webdataset as wds
-from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .augment import (
@@ -126,9 +125,11 @@ class TrainStream(IterableDataset):
             imgs: list[np.ndarray] = []
             labels: list[int] = []
             for _chunk in range(100):
+                # One generator per chunk, seeded by its first position: a resume that skips
+                # whole batches meets the same seeds (a generator per sample cost ~6 us each).
+                aug_rng = random.Random(mix_seed(self.seed, self.epoch, stream, pos))
                 for _ in range(self.batch):
                     sample = next(src)
-                    aug_rng = random.Random(mix_seed(self.seed, self.epoch, stream, pos))
                     pos += 1
                     try:
                         img, label = decode_sample(
@@ -149,7 +150,7 @@ class TrainStream(IterableDataset):
                 labels.append(labels[i])
             yield to_batch(imgs), torch.tensor(labels, dtype=torch.int64)
 
-    def _transform(self, img: Image.Image, rng: random.Random) -> np.ndarray:
+    def _transform(self, img: np.ndarray, rng: random.Random) -> np.ndarray:
         if not self.augment:
             return eval_transform(img, self.img_size)
         return train_transform(img, rng, self.img_size, scale=self.scale, hflip=self.hflip)
