@@ -283,6 +283,8 @@ def plan() -> list[Step]:
                 "benchmarks/train_throughput.py",
                 "--steps",
                 "100",
+                "--rounds",
+                "3",
                 "--out",
                 str(STUDY / "speed" / "train_throughput.json"),
             ],

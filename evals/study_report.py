@@ -153,12 +153,16 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
             " / ".join(f"{100 * a:.1f}" for a in accs), ok)  # fmt: skip
     speed = r.output("speed")
     if speed is not None:
-        how = ", blocks compiled as a full run trains" if speed.get("compiled") else ""
-        got = (f"{speed['ratio']:.2f}x ({speed['pipeline']['train/images_per_s']:.0f} vs "
-               f"{speed['plain_images_per_s']:.0f} images/s, fp32{how})")  # fmt: skip
-        if "ratio_like_for_like" in speed:
-            eager, compiled = speed["ratio_like_for_like"]
-            got += f"; like for like: {eager:.2f}x eager, {compiled:.2f}x both compiled"
+        eager, compiled = (
+            speed[f"pipeline_{c}"]["train/images_per_s"] for c in ("eager", "compiled")
+        )
+        how = {"on": "compiled", "off": "eager", "trial": "the faster of the two (auto's trial)"}
+        rounds = ", ".join(f"{x:.2f}" for x in speed["ratio_per_round"])
+        got = (f"{speed['ratio']:.2f}x (median of rounds {rounds}; as a full run trains: "
+               f"{how[speed['compile_mode']]}; pipeline {eager:.0f} eager, {compiled:.0f} "
+               f"compiled vs plain {speed['plain_images_per_s']:.0f} images/s, fp32)")  # fmt: skip
+        like_eager, like_compiled = speed["ratio_like_for_like"]
+        got += f"; like for like: {like_eager:.2f}x eager, {like_compiled:.2f}x both compiled"
         row("pipeline images/s vs plain timm loop, same model", ">= 0.9x", got,
             speed["ratio"] >= 0.9)  # fmt: skip
     else:

@@ -124,8 +124,8 @@ class TrainConfig:
     # Merged last into DeepSpeed's JSON config, e.g. {zero_optimization: {offload_optimizer:
     # {device: cpu}}} or a lower stage3_param_persistence_threshold
     deepspeed: dict[str, Any] = field(default_factory=dict)
-    # torch.compile each model block in place: true, false, or auto (on for long GPU runs;
-    # ssl_vit.engine.compile says when and why)
+    # torch.compile each model block in place: true, false, or auto (long GPU runs; a CPU run
+    # measures it: ssl_vit.engine.compile says when and why)
     compile: Any = False
 
 

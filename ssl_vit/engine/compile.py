@@ -8,28 +8,41 @@ exports are the same files either way. Evaluations during training run the block
 (`eager`): they are a small share of a run, and their other batch sizes and no-grad graphs
 would each cost a compile of their own.
 
-`train.compile`: true, false, or auto. Measured on 2 CPU cores (AMD EPYC, fp32, the MPP preset's
-model, batch 256; benchmarks/train_throughput.py, side by side in one run): the plain loop
-compiled 1110 vs 1092 images/s eager (+1.6%), the pipeline 854 vs 917 (-7%) after a ~20 s
-compile. So auto is off on CPUs (true still compiles there, given a C++ compiler for Inductor's
-kernels), and on GPUs on for runs of at least AUTO_MIN_IMAGES images, without ZeRO-3 (its
-parameter hooks run inside each block's forward). The GPU threshold is not measured here (no
-GPU in these runs): it asks that a compile of a minute or two be a small share of the run.
+`train.compile`: true, false, or auto. On a CPU, whether compiling pays depends on the machine
+and on what runs beside training (the loader workers share the cores): on 2 AMD EPYC cores
+(fp32, the MPP preset's model, batch 256; benchmarks/train_throughput.py, 3 rounds) the plain
+loop compiled ran 1223 vs 1121 images/s eager and the pipeline 1080 vs 910, while an earlier
+session on the same kind of machine measured the pipeline 5-7% slower compiled. So auto on a
+CPU measures it in the run itself (`CompileTrial`): TRIAL_STEPS steps eager, then as many
+compiled, and it keeps the faster (the same choice on every rank); a launch too short to pay
+for the trial, or a machine without a C++ compiler for Inductor's kernels, stays eager. On a
+GPU auto is on for runs of at least AUTO_MIN_IMAGES images, without ZeRO-3 (its parameter hooks
+run inside each block's forward). The GPU threshold is not measured here (no GPU in these runs):
+it asks that a compile of a minute or two be a small share of the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
+import statistics
+import time
 
 import torch
 from torch import nn
 
 from ssl_vit.config import ConfigError
+from ssl_vit.engine.distributed import all_reduce_sum
+
+log = logging.getLogger("ssl_vit.train")
 
 AUTO_MIN_IMAGES = 2_000_000  # GPUs only; not measured here (see the module doc)
+TRIAL_WARM = 3  # steps not timed: the launch's first (warm-up) and the compiled first (compiling)
+TRIAL_STEPS = 15  # steps timed each way; the medians decide
+TRIAL_MIN_STEPS = 8 * (TRIAL_WARM + TRIAL_STEPS)  # a launch shorter than this stays eager
 _BLOCK = re.compile(r"(^|\.)blocks\.\d+$")
 
 
@@ -39,25 +52,79 @@ def _cpu_compiler() -> str | None:
 
 
 def resolve_compile(requested: object, total_images: int, zero_stage: int,
-                    device: torch.device) -> tuple[bool, str]:  # fmt: skip
-    """(compile or not, why) for `train.compile` = `requested` (true, false or "auto") and a
-    run of `total_images` (steps x global batch)."""
+                    device: torch.device) -> tuple[str, str]:  # fmt: skip
+    """("on", "off" or "trial", why) for `train.compile` = `requested` (true, false or "auto")
+    and a run of `total_images` (steps x global batch); "trial": see `CompileTrial`."""
     if requested is False:
-        return False, "train.compile=false"
+        return "off", "train.compile=false"
     if zero_stage == 3:  # train.compile=true is refused with ZeRO-3 by config validation
-        return False, "auto: off under ZeRO-3"
+        return "off", "auto: off under ZeRO-3"
     if device.type == "cpu":
-        if requested is not True:  # auto
-            return False, "auto: off on CPU (measured slower there, see ssl_vit.engine.compile)"
         if _cpu_compiler() is None:
-            raise ConfigError("train.compile=true needs a C++ compiler for Inductor's CPU kernels "
-                              "(none found as $CXX, g++ or clang++): install g++ or set "
-                              "train.compile=false")  # fmt: skip
+            if requested is True:
+                raise ConfigError("train.compile=true needs a C++ compiler for Inductor's CPU "
+                                  "kernels (none found as $CXX, g++ or clang++): install g++ or "
+                                  "set train.compile=false")  # fmt: skip
+            return "off", "auto: off, no C++ compiler for Inductor's CPU kernels"
+        if requested is not True:
+            return "trial", "auto: measured in the run, eager against compiled"
     if requested is True:
-        return True, "train.compile=true"
+        return "on", "train.compile=true"
     if total_images < AUTO_MIN_IMAGES:
-        return False, f"auto: off, {total_images} images < {AUTO_MIN_IMAGES} do not pay it back"
-    return True, f"auto: on, {total_images} images"
+        return "off", f"auto: off, {total_images} images < {AUTO_MIN_IMAGES} do not pay it back"
+    return "on", f"auto: on, {total_images} images"
+
+
+class CompileTrial:
+    """train.compile=auto on a CPU: time steps eager, compile the blocks, time as many compiled,
+    keep the faster. A step's time is the wall time from one `after_step` to the next, so it
+    holds what the run pays for (waiting for data, loader workers taking the cores); the choice
+    uses the sum over ranks of each side's median, so every rank makes the same one. Eager is
+    restored by torch.compiler's "force_eager" stance: the modules and their state_dict keys
+    stay as they are."""
+
+    def __init__(self, module: nn.Module, first_step: int) -> None:
+        self.module, self.first_step = module, first_step
+        self.times: dict[bool, list[float]] = {False: [], True: []}
+        self.last: float | None = None
+        self.compiled = False  # the blocks compiled now (evaluations switch them to eager)
+        self.result: dict[str, float] | None = None  # set once decided
+
+    def after_step(self, step: int) -> dict[str, float] | None:
+        """Call after each training step; returns the measurement once, the step it decides."""
+        now = time.perf_counter()
+        last, self.last = self.last, now
+        if self.result is not None or last is None:
+            return None
+        phase = step - self.first_step - TRIAL_WARM  # 1..TRIAL_STEPS eager, then compiled
+        if 1 <= phase <= TRIAL_STEPS:
+            self.times[False].append(now - last)
+            if phase == TRIAL_STEPS:
+                self.compiled = compile_blocks(self.module) > 0
+        elif phase > TRIAL_STEPS + TRIAL_WARM:  # the first TRIAL_WARM compiled steps compile
+            self.times[True].append(now - last)
+            if len(self.times[True]) == TRIAL_STEPS:
+                return self._decide()
+        return None
+
+    def close(self) -> None:
+        """Leave torch.compiler's stance as it was before the trial (the process may go on)."""
+        if self.result is not None and not self.compiled:
+            torch.compiler.set_stance("default")
+
+    def _decide(self) -> dict[str, float]:
+        medians = torch.tensor([statistics.median(self.times[c]) for c in (False, True)])
+        eager_s, compiled_s = all_reduce_sum(medians.double()).tolist()
+        keep = compiled_s < eager_s
+        if not keep:
+            torch.compiler.set_stance("force_eager")
+            self.compiled = False
+        self.result = {"compile/eager_step_s": eager_s, "compile/compiled_step_s": compiled_s,
+                       "compile/on": float(keep)}  # fmt: skip
+        log.info("torch.compile trial: eager %.1f ms/step, compiled %.1f ms/step (medians of %d "
+                 "steps, summed over ranks): keeping %s", 1e3 * eager_s, 1e3 * compiled_s,
+                 TRIAL_STEPS, "compiled" if keep else "eager")  # fmt: skip
+        return self.result
 
 
 def compile_blocks(module: nn.Module) -> int:
@@ -71,3 +138,17 @@ def compile_blocks(module: nn.Module) -> int:
 def eager() -> contextlib.AbstractContextManager:
     """Run compiled modules eagerly inside (evaluations during training)."""
     return torch.compiler.set_stance("force_eager")
+
+
+def start_trial(mode: object, module: nn.Module, first_step: int, total_steps: int,
+                rank: int) -> CompileTrial | None:  # fmt: skip
+    """The trial of a launch whose compile mode resolved to "trial", when enough steps are left
+    for it to pay; None otherwise (eager)."""
+    if mode != "trial":
+        return None
+    if total_steps - first_step < TRIAL_MIN_STEPS:
+        if rank == 0:
+            log.info("torch.compile off: %d steps left, fewer than the %d the trial needs",
+                     total_steps - first_step, TRIAL_MIN_STEPS)  # fmt: skip
+        return None
+    return CompileTrial(module, first_step)

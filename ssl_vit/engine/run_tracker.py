@@ -1,0 +1,61 @@
+"""The MLflow side of a training run (rank 0 logs; other ranks hold a disabled Tracker): the
+run opened or continued from RUN/mlflow_run_id, its parameters and lineage logged once, and the
+export registered as a model version when the config asks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ssl_vit.config import Config
+from ssl_vit.io import atomic_write_text
+from ssl_vit.tracking import Tracker
+from ssl_vit.tracking.registry import headline_metrics, register_export
+from ssl_vit.tracking.store import PARENT_TAG
+
+log = logging.getLogger("ssl_vit.train")
+
+
+def save_run_id(tracker: Tracker, path: Path) -> None:
+    """Remember the MLflow run so a rerun continues it (the id may arrive late: store down)."""
+    if tracker.run_id and not path.is_file():
+        atomic_write_text(path, tracker.run_id + "\n")
+
+
+def register_run(tracker: Tracker, name: str, run_dir: Path) -> None:
+    """`tracking.register_as`: the logged export becomes a version of `name` (rank 0)."""
+    if not tracker.flushed:  # the export is still in the spool: registering would dangle
+        log.warning(
+            "not registered as %s: the MLflow store did not take the export; after `python -m "
+            "ssl_vit.tracking replay %s`, run `python -m ssl_vit.tracking register %s %s`",
+            name, run_dir / "mlflow_spool", tracker.run_id or "RUN_ID", name,
+        )  # fmt: skip
+        return
+    register_export(tracker.tracking_uri, name, tracker.run_id, tags=headline_metrics(run_dir))
+
+
+def open_run_tracker(
+    cfg: Config, run_dir: Path, rank: int, fresh: bool, derived: dict, source_run_id: str | None
+) -> Tracker:
+    run_id_file = run_dir / "mlflow_run_id"
+    tracker = Tracker(
+        enabled=rank == 0,
+        experiment=cfg.tracking.experiment,
+        run_name=cfg.tracking.run_name or run_dir.name,
+        run_id=run_id_file.read_text().strip() if run_id_file.is_file() else None,
+        tracking_uri=cfg.tracking.uri,
+        spool_dir=run_dir / "mlflow_spool",
+        tags={PARENT_TAG: cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None,
+    )
+    if rank == 0:
+        save_run_id(tracker, run_id_file)
+        if fresh:
+            tracker.log_params({**cfg.to_dict(), "derived": derived})
+            if cfg.model.init_from:  # lineage: what this run started from
+                lineage = {"ssl_vit.init_from": cfg.model.init_from}
+                if source_run_id:
+                    lineage["pretrain_run_id"] = source_run_id
+                tracker.set_tags(lineage)
+            tracker.log_artifact(run_dir / "config.yaml")
+            tracker.log_artifact(run_dir / "ds_config.json")
+    return tracker
