@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import ROOT
+from mlflow.tracking import MlflowClient
 
 from ssl_vit.config import ConfigError, load_config
 from ssl_vit.engine import compile as comp
@@ -112,26 +117,28 @@ def test_compile_blocks_keeps_the_state_dict():
 
 @pytest.mark.slow
 @pytest.mark.skipif(comp._cpu_compiler() is None, reason="Inductor's CPU kernels need g++")
-def test_auto_trial_in_a_real_run(tiny_shards, tmp_path):
-    """A CPU run with train.compile=auto times both ways, logs the choice to MLflow, and trains
-    to the end either way (the kNN monitor at the end runs the blocks eager)."""
-    from conftest import run_cli
-    from mlflow.tracking import MlflowClient
-
+def test_auto_trial_on_two_ranks(tiny_shards, tmp_path):
+    """A CPU run with train.compile=auto on two real ranks times both ways, makes one choice
+    (a collective at the deciding step: no hang, the same line on every rank that logs), logs
+    it to MLflow, and trains to the end (the kNN monitor at the end runs the blocks eager)."""
     run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
     steps = comp.TRIAL_MIN_STEPS + 6
-    proc = run_cli([
-        "pipelines/mpp_pretrain.py", "--config", "configs/fmnist_vit_tiny_mpp.yaml",
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                "--master_port", str(_free_port())]  # fmt: skip
+    proc = subprocess.run([
+        *launcher, "pipelines/mpp_pretrain.py", "--config", "configs/fmnist_vit_tiny_mpp.yaml",
         f"data.root={tiny_shards}", f"run.dir={run_dir}", f"tracking.uri=sqlite:///{db}",
         "model.img_size=16", "model.patch_size=4",
         "model.kwargs={depth: 2, embed_dim: 32, num_heads: 2}", "data.num_workers=1",
         "train.global_batch=16", "train.epochs=null", f"train.steps={steps}",
         "train.precision=fp32", "train.compile=auto", "optim.warmup_steps=4",
         "run.log_every=50", f"run.checkpoint_every={steps}", f"monitor.knn_every={steps}",
-    ])  # fmt: skip
+    ], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "torch.compile trial (auto: measured in the run, eager against compiled)" in proc.stderr
-    line = next(ln for ln in proc.stderr.splitlines() if "torch.compile trial:" in ln)
+    out = proc.stdout + proc.stderr
+    assert "torch.compile trial (auto: measured in the run, eager against compiled)" in out
+    lines = {ln.split("torch.compile trial:")[1] for ln in out.splitlines() if "trial:" in ln}
+    assert len(lines) == 1, lines  # every rank that logs says the same
     decided = comp.TRIAL_WARM * 2 + comp.TRIAL_STEPS * 2
     run_id = (run_dir / "mlflow_run_id").read_text().strip()
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
@@ -140,9 +147,15 @@ def test_auto_trial_in_a_real_run(tiny_shards, tmp_path):
     [compiled_s] = client.get_metric_history(run_id, "compile/compiled_step_s")
     assert on.step == eager_s.step == compiled_s.step == decided
     assert on.value == float(compiled_s.value < eager_s.value) and eager_s.value > 0
-    assert line.endswith("keeping compiled" if on.value else "keeping eager")
+    assert lines.pop().endswith("keeping compiled" if on.value else "keeping eager")
     assert (run_dir / "export" / "backbone.safetensors").is_file()
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == steps
     knn = client.get_metric_history(run_id, "monitor/knn_top1")  # evaluated with eager blocks
     assert [m.step for m in knn] == [steps]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
