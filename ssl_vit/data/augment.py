@@ -11,7 +11,7 @@ per sample shows in training speed (benchmarks/train_throughput.py): an 8-bit PN
 the target mode (what data_prep writes) is decoded by torchvision's libpng op, about 10 us faster
 per sample than PIL's Python-side open; a crop box that is the whole image at the output
 size skips the resize, and a flip is a numpy view. Any other image takes the PIL path. Both give
-the same pixels (tests/test_stream.py).
+the same pixels (tests/test_augment.py).
 
 Randomness comes from an explicit `random.Random` seeded per chunk of a batch (never torch's
 global RNG; see ssl_vit.data.datasets), so a sample's augmentation depends only on (seed,
