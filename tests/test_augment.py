@@ -63,8 +63,8 @@ def test_decode_gives_the_pixels_of_pil(name: str, channels: int) -> None:
 
 
 def test_fast_path_is_taken_for_what_data_prep_writes() -> None:
-    if augment._DECODE_PNG is None:
-        pytest.skip("this torchvision build has no libpng op; PIL decodes everything")
+    # The pinned torchvision has the op; losing it would silently slow every loader worker.
+    assert augment._DECODE_PNG is not None, "torchvision's image.decode_png op is missing"
     assert augment._png_fast_path(_pngs()["gray"], 1) == (28, 28)
     assert augment._png_fast_path(_pngs()["rgb"], 3) == (12, 10)
     for name, channels in (("rgb", 1), ("gray", 3), ("gray 16-bit", 1), ("palette", 3)):
