@@ -77,6 +77,7 @@ CASCADE = "configs/fmnist_cascade.yaml"  # Dynamic ViT: 2x2, 4x4, 7x7 tokens
 MIXER = "configs/fmnist_mixer_mpp.yaml"  # an MLP-Mixer of about the ViT's compute
 RANDOM = ["--random-init", "vit_tiny_patch16_224", "--patch-size", "7", "--img-size", "28",
           "--model-kwargs", SMALL_VIT]  # fmt: skip
+RANDOM_P4 = [a if a != "7" else "4" for a in RANDOM]  # the finer grid's random init
 COMMON = [f"data.root={SHARDS}", f"data.holdout_fraction={HOLDOUT}",
           f"run.checkpoint_every={CHECKPOINT_EVERY}", "monitor.knn_every=0"]  # fmt: skip
 
@@ -331,6 +332,7 @@ def plan() -> list[Step]:
         _pretrain("mpp_p4", MPP, py, *P4, epochs=P4_PRETRAIN_EPOCHS, snapshots=P4_SNAPSHOTS),
         _finetune("mpp_p4", SEEDS[0], P4_FINETUNE_EPOCHS, lr_from=f"ft_mpp_s{SEEDS[0]}"),
         *_snapshot_evals("mpp_p4", P4_SNAPSHOTS),
+        *_evals("random_p4", RANDOM_P4),
         # Ablations (single seed): the corruption rate and the target (sec. 4.6, B.1.2), and
         # the [class] token read-out.
         _pretrain("mpp15", MPP, py, "objective.corrupt_ratio=0.15"),

@@ -88,23 +88,23 @@ def _schedule_line(r, what: str, kind: str, key: str, pretrainings) -> str | Non
             f"after {e1} ({v1 - v0:+.1f} points for {e1 / e0:.1f}x the pretraining).")  # fmt: skip
 
 
-def reading(r, arms: dict[str, list[str]], pretrainings: list, long_arms: tuple[str, str]
-            ) -> list[str]:  # fmt: skip
+def reading(r, arms: dict[str, list[str]], pretrainings: list,
+            trainings: list[tuple[str, str]], one_recipe: list) -> list[str]:  # fmt: skip
     """Markdown lines: the section, or nothing before the curves exist. `pretrainings`:
-    (label, step, snapshot epochs) of each MPP pretraining; `long_arms`: the longer schedule's
-    fine-tune and from-scratch steps."""
+    (label, step, snapshot epochs) of each MPP pretraining; `trainings`: (label, step) of the
+    single-seed fine-tunes and from-scratch runs beside the main arms; `one_recipe`: the
+    pretrainings that differ only in length (what a longer schedule gave)."""
     found = [
         _training_line(r, "MPP, fine-tuned (seed 0)", arms["mpp"][0]),
         _training_line(r, "supervised, fine-tuned (seed 0)", arms["supervised"][0]),
         _training_line(r, "from scratch (seed 0)", arms["scratch"][0]),
-        _training_line(r, "MPP, fine-tuned, longer schedule", long_arms[0]),
-        _training_line(r, "from scratch, longer schedule", long_arms[1]),
+        *(_training_line(r, label, step) for label, step in trainings),
     ]
     for pretraining in pretrainings:
         found += [_feature_line(r, "kNN (k=20)", "knn", KNN, 87.0, pretraining),
                   _feature_line(r, "linear probe", "probe", PROBE, 88.0, pretraining)]  # fmt: skip
-    found += [_schedule_line(r, "kNN (k=20)", "knn", KNN, pretrainings),
-              _schedule_line(r, "linear probe", "probe", PROBE, pretrainings)]  # fmt: skip
+    found += [_schedule_line(r, "kNN (k=20)", "knn", KNN, one_recipe),
+              _schedule_line(r, "linear probe", "probe", PROBE, one_recipe)]  # fmt: skip
     found = [line for line in found if line]
     if not found:
         return []

@@ -22,6 +22,8 @@ REFERENCES = [  # Fashion-MNIST README (zalandoresearch/fashion-mnist)
 SHOTS = (1, 5, 10, 25)
 LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two trainings (plan)
 HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
+P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid's two trainings (plan)
+RANDOM_OF = {"mpp_p4": "random_p4"}  # a pretraining's random-init baseline, where not "random"
 
 
 class Results:
@@ -121,7 +123,7 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
             goal_text = f">= {goal:.0f}, random + 5 at every length, rising"
             got = [(e, r.metric(f"{run}_e{e}", kind, key)) for e in eps]
             got = [(e, v) for e, v in got if v is not None]
-            rand = r.metric("random", kind, key)
+            rand = r.metric(RANDOM_OF.get(run, "random"), kind, key)
             if not got or rand is None:
                 row(what, goal_text, "pending", None)
                 continue
@@ -131,20 +133,23 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
             text = ", ".join(f"{e} ep {100 * v:.1f}" for e, v in got)
             row(what, goal_text, f"{text}; random {100 * rand:.1f}",
                 100 * vals[-1] >= goal and above and rising)  # fmt: skip
-    long_mpp, long_scratch = r.selected(LONG_ARMS[0]), r.selected(LONG_ARMS[1])
-    for label, step in (("longer schedule", LONG_ARMS[0]), ("at 42 px", HIRES_ARM)):
+    single = (("longer schedule", LONG_ARMS[0]), ("at 42 px", HIRES_ARM),
+              ("4x4 patches", P4_ARMS[0]))  # fmt: skip
+    for label, step in single:
         if (top1 := r.selected(step)) is not None:
             row(f"MPP fine-tuned, {label} (1 seed)", ">= 93.0", f"{100 * top1:.2f}",
                 100 * top1 >= 93.0)  # fmt: skip
-    if long_mpp is not None and long_scratch is not None:
-        gap = 100 * (long_mpp - long_scratch)
-        # One seed has no error bar of its own: met only if it clears the goal by more than
-        # twice the std the 3-seed arms of the shorter budget show.
-        two_std = 2 * 100 * max((_mean_std(a)[1] for a in (mpp, scratch) if len(a) > 1),
-                                default=float("inf"))  # fmt: skip
-        row("MPP minus from scratch, longer schedule (1 seed)",
-            ">= +1.0 and > 2 std (the shorter budget's)",
-            f"{gap:+.2f} (2 std = {two_std:.2f})", gap >= 1.0 and gap > two_std)  # fmt: skip
+    # One seed has no error bar of its own: met only if it clears the goal by more than twice
+    # the std the 3-seed arms of the shorter budget show.
+    two_std = 2 * 100 * max((_mean_std(a)[1] for a in (mpp, scratch) if len(a) > 1),
+                            default=float("inf"))  # fmt: skip
+    for label, (ft, base) in (("longer schedule", LONG_ARMS), ("4x4 patches", P4_ARMS)):
+        a, b = r.selected(ft), r.selected(base)
+        if a is not None and b is not None:
+            gap = 100 * (a - b)
+            row(f"MPP minus from scratch, {label} (1 seed)",
+                ">= +1.0 and > 2 std (the shorter budget's)",
+                f"{gap:+.2f} (2 std = {two_std:.2f})", gap >= 1.0 and gap > two_std)  # fmt: skip
     out = r.output("pixels/fewshot")
     if out is not None:
         accs = [out["metrics"][f"fewshot_{n}shot_mean"] for n in SHOTS]
@@ -182,12 +187,13 @@ def _longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
         PRETRAIN_EPOCHS,
     )
 
-    lines = ["", "## A longer schedule (single seed)", "",
+    lines = ["", "## Longer schedules and the finer grid (single seed)", "",
              f"MPP pretrained {LONG_PRETRAIN_EPOCHS} epochs (frozen features at "
              f"{', '.join(map(str, LONG_SNAPSHOTS))} epochs, in the table below), fine-tuned "
              f"{LONG_FINETUNE_EPOCHS} epochs with lr from the paper's grid on held-out; from "
              f"scratch for the sum, {LONG_PRETRAIN_EPOCHS + LONG_FINETUNE_EPOCHS} epochs. Seed 0 "
-             "only: read differences against the 3-seed std of the shorter budget above.", "",
+             "only: read differences against the 3-seed std of the shorter budget above. The "
+             "finer grid (4x4 patches) is the same presets with `model.patch_size=4`.", "",
              "| budget (pretraining + fine-tuning epochs) | MPP, fine-tuned | from scratch, same "
              "total | MPP minus from scratch | MPP's lr (chosen on held-out) |",
              "|---|---|---|---|---|"]  # fmt: skip
@@ -198,6 +204,15 @@ def _longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
         a, b = r.selected(ft), r.selected(scratch)
         gap = "-" if a is None or b is None else f"{100 * (a - b):+.2f}"
         lines.append(f"| {label} | {_pct(a)} | {_pct(b)} | {gap} | {_lr(r, ft)} |")
+    from study import P4_FINETUNE_EPOCHS, P4_PRETRAIN_EPOCHS
+
+    a, b = r.selected(P4_ARMS[0]), r.selected(P4_ARMS[1])
+    gap = "-" if a is None or b is None else f"{100 * (a - b):+.2f}"
+    sweep = r.output(arms["mpp"][0])
+    lr = "pending" if sweep is None else sweep["chosen"]["optim.lr"]
+    lines.append(f"| {P4_PRETRAIN_EPOCHS} + {P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 "
+                 f"tokens, ~3x the compute per image) | {_pct(a)} | {_pct(b)} | {gap} | {lr}, "
+                 "the 16-token sweep's (not swept) |")  # fmt: skip
     hires = r.output(HIRES_ARM)
     held = "pending" if hires is None else _pct(hires["selection_best_top1"])
     lines.append(f"| {long}, fine-tuned at {HIRES} px (6x6 tokens, ~2.4x the fine-tuning "
@@ -320,12 +335,14 @@ def _steps_table(r: Results, plan: list) -> list[str]:
 
 def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  epochs: tuple[int, ...], seeds: tuple[int, ...]) -> None:  # fmt: skip
-    from study import LONG_PRETRAIN_EPOCHS, LONG_SNAPSHOTS
+    from study import LONG_PRETRAIN_EPOCHS, LONG_SNAPSHOTS, P4_PRETRAIN_EPOCHS, P4_SNAPSHOTS
 
     root = out.parent
     r = Results(root / results)
     pretrainings = [(f"{epochs[-1]}-epoch run", "mpp", epochs),
-                    (f"{LONG_PRETRAIN_EPOCHS}-epoch run", "mpp_long", LONG_SNAPSHOTS)]  # fmt: skip
+                    (f"{LONG_PRETRAIN_EPOCHS}-epoch run", "mpp_long", LONG_SNAPSHOTS),
+                    (f"{P4_PRETRAIN_EPOCHS}-epoch run, 4x4 patches", "mpp_p4",
+                     P4_SNAPSHOTS)]  # fmt: skip
     arms = {
         "mpp": [f"ft_mpp_s{s}" for s in seeds],
         "supervised": [f"ft_supervised_s{s}" for s in seeds],
@@ -370,7 +387,8 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
         "| features | kNN (k=20) | linear probe | few-shot 1/5/10/25 (ridge, l2 by LOO) |",
         "|---|---|---|---|",
     ]
-    rows = [("raw pixels", "pixels"), ("random-init ViT", "random")]
+    rows = [("raw pixels", "pixels"), ("random-init ViT", "random"),
+            ("random-init ViT, 4x4 patches", "random_p4")]  # fmt: skip
     for run_label, run, eps in pretrainings:
         rows += [(f"MPP after {e} epoch{'s' * (e > 1)} ({run_label})", f"{run}_e{e}")
                  for e in eps]  # fmt: skip
@@ -378,21 +396,24 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
     for label, ev in rows:
         knn, probe = _pct(r.metric(ev, "knn", KNN)), _pct(r.metric(ev, "probe", PROBE))
         lines.append(f"| {label} | {knn} | {probe} | {_fewshot(r, ev)} |")
+    trainings = [("MPP, fine-tuned, longer schedule", LONG_ARMS[0]),
+                 ("from scratch, longer schedule", LONG_ARMS[1]),
+                 ("MPP, fine-tuned, 4x4 patches", P4_ARMS[0]),
+                 ("from scratch, 4x4 patches", P4_ARMS[1])]  # fmt: skip
     figures = [
         curve_figure(r, root / results / "pretraining_curve.png", pretrainings),
         loss_figure(r, root / results / "finetune_loss.png",
                     [("MPP, fine-tuned", arms["mpp"][0]),
                      ("supervised, fine-tuned", arms["supervised"][0]),
-                     ("from scratch", arms["scratch"][0]),
-                     ("MPP, fine-tuned, longer schedule", LONG_ARMS[0]),
-                     ("from scratch, longer schedule", LONG_ARMS[1])]),
+                     ("from scratch", arms["scratch"][0]), *trainings]),
     ]  # fmt: skip
     lines += figure_lines(figures[0], "Frozen MPP features against pretraining epochs", root)
     lines += figure_lines(figures[1], "Training loss of fine-tuning and from scratch", root)
     ablations = [("MPP 15% corrupted (BERT's rate)", "mpp15_e6"),
                  ("target: 4x4 downsized patch, 3-bit", "mpp_downsized_e6"),
                  ("target: L2 on pixels", "mpp_pixels_e6"),
-                 ("MPP 50%, read at the [class] token", "mpp_cls"),
+                 ("MPP 50%, read at the [class] token (the mpp recipe retrained: its "
+                  "first run directory was lost)", "mpp_cls"),
                  ("MLP-Mixer (D 128, 9 blocks), MPP 50%", "mixer_e6")]  # fmt: skip
     lines += [
         "",
@@ -408,7 +429,7 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
     lines += _dynamic(r, root, results)
     lines += _inspect_figures(root, results)
     lines += _goals(r, arms, pretrainings)
-    lines += reading(r, arms, pretrainings, LONG_ARMS)
+    lines += reading(r, arms, pretrainings, trainings, pretrainings[:2])
     lines += ["", "## Reference points (Fashion-MNIST README)", "", "| model | test accuracy |",
               "|---|---|", *(f"| {name} | {acc} |" for name, acc in REFERENCES), "",
               "The paper's MPP result (ImageNet, ViT-B/16; ViT paper sec. 4.6): 79.9% top-1 "

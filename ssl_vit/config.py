@@ -59,6 +59,9 @@ class DataConfig:
     # Hashed share of `split` kept out of training to choose on (ssl_vit.data.holdout).
     # None: 0.02 when fine-tuning (the paper's held-out 2%, appendix B.1.1), else 0.
     holdout_fraction: float | None = None
+    # Decode the split once into RAM and batch from there (ssl_vit.data.memory): true, false,
+    # or auto (when its images share one size and decode to at most 2 GiB per rank).
+    in_memory: Any = "auto"
 
 
 @dataclass
@@ -165,11 +168,13 @@ class Config:
 
 def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config dict, as YAML reads it back, less the keys that change how a run executes but
-    not what it trains (tracking, train.compile): what two runs must share for one's result to
-    stand for the other's (a sweep's finished values, the study's steps)."""
+    not what it trains (tracking, train.compile, data.in_memory: the same augmentation
+    distribution, fed another way): what two runs must share for one's result to stand for the
+    other's (a sweep's finished values, the study's steps)."""
     out = yaml.safe_load(yaml.safe_dump(cfg))
     out.pop("tracking", None)
     out.get("train", {}).pop("compile", None)
+    out.get("data", {}).pop("in_memory", None)
     return out
 
 
@@ -324,6 +329,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stages are 0-3")
     if cfg.optim.schedule not in ("cosine", "linear"):
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: choose cosine or linear")
+    if cfg.data.in_memory not in (True, False, "auto"):
+        raise ConfigError(f"data.in_memory={cfg.data.in_memory!r}: choose true, false or auto")
     if cfg.data.missing_shards not in ("error", "skip"):
         raise ConfigError(f"data.missing_shards={cfg.data.missing_shards!r}: error or skip")
     if t.global_batch <= 0:

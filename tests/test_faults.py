@@ -195,10 +195,13 @@ def _damage(shards: Path, tmp: Path) -> Path:
     return bad
 
 
-def test_bad_shards_at_training_time(tiny_shards, tmp_path):
+@pytest.mark.parametrize("in_memory", ["true", "false"])
+def test_bad_shards_at_training_time(tiny_shards, tmp_path, in_memory):
+    """Streamed (read while training) and held in RAM (read at start): the same policy."""
     bad = _damage(tiny_shards, tmp_path)
+    ram = f"data.in_memory={in_memory}"
     # Missing shard, default policy: a clear one-line error at start, no traceback.
-    args = overrides(bad, tmp_path / "r1", tmp_path / "db", "train.steps=6")
+    args = overrides(bad, tmp_path / "r1", tmp_path / "db", "train.steps=6", ram)
     t = time.monotonic()
     proc = run_cli([PIPE, *args], timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -208,7 +211,8 @@ def test_bad_shards_at_training_time(tiny_shards, tmp_path):
 
     # Asked to skip: trains to the end on what is readable, corrupt samples skipped and counted.
     run_dir = tmp_path / "r2"
-    args = overrides(bad, run_dir, tmp_path / "db", "train.steps=12", "data.missing_shards=skip")
+    args = overrides(bad, run_dir, tmp_path / "db", "train.steps=12", "data.missing_shards=skip",
+                     ram)  # fmt: skip
     t = time.monotonic()
     proc = run_cli([PIPE, *args], timeout=400)
     took = time.monotonic() - t

@@ -171,6 +171,7 @@ class EvalStream(IterableDataset):
     with_keys: bool
     counter: SkipCounter
     subset: np.ndarray | None  # sorted manifest indices (the held-out samples), or None
+    with_indices: bool = False  # the samples' manifest indices as a last item (int64 tensor)
 
     def __iter__(self) -> Iterator[tuple]:
         w, W = _worker()
@@ -193,7 +194,7 @@ class EvalStream(IterableDataset):
         samples = (s for r in refs for s in read_shard(r, mine, self.counter))
         pending = next(samples, None)
         for b in range(w, num_batches, W):
-            imgs, labels, keys = [], [], []
+            imgs, labels, keys, indices = [], [], [], []
             while pending is not None and pos(pending["__index__"]) // bs == b:
                 try:
                     img, label = decode_sample(
@@ -202,6 +203,7 @@ class EvalStream(IterableDataset):
                     imgs.append(eval_transform(img, self.img_size))
                     labels.append(label)
                     keys.append(pending["__key__"])
+                    indices.append(pending["__index__"])
                 except CorruptSample as e:
                     self.counter.add(samples=1)
                     report_skip(f"{pending.get('__url__')}: {e}")
@@ -214,5 +216,9 @@ class EvalStream(IterableDataset):
                     (0, self.channels, self.img_size, self.img_size), dtype=torch.uint8
                 )
             )
-            out = (images, torch.tensor(labels, dtype=torch.int64))
-            yield (*out, keys) if self.with_keys else out
+            out: tuple = (images, torch.tensor(labels, dtype=torch.int64))
+            if self.with_keys:
+                out = (*out, keys)
+            if self.with_indices:
+                out = (*out, torch.tensor(indices, dtype=torch.int64))
+            yield out

@@ -30,6 +30,7 @@ import torch
 
 from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, save_config
 from ssl_vit.data.manifest import Manifest
+from ssl_vit.data.memory import MemoryTrainLoader, make_memory_train_loader, resolve_in_memory
 from ssl_vit.data.stream import TrainLoader, make_train_loader
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
@@ -132,7 +133,7 @@ class _Setup:
     objective_options: dict
     precision: str
     cpu_autocast: bool
-    loader: TrainLoader
+    loader: TrainLoader | MemoryTrainLoader
     total_steps: int
     flops_per_step: float  # model FLOPs of one optimizer step (rank 0; 0 elsewhere)
     engine: deepspeed.DeepSpeedEngine
@@ -162,7 +163,10 @@ def _setup(cfg: Config, header: str) -> _Setup:
     objective, objective_options, spec = build_from_config(cfg, manifest)
     timer = step_timer(objective, spec.in_chans, cfg.model.img_size, micro)
     precision = run_precision(cfg, run_dir, rank, timer)
-    loader = make_train_loader(
+    in_ram, why_ram = resolve_in_memory(cfg.data.in_memory, manifest, cfg.data.split)
+    if rank == 0:
+        log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
+    loader = (make_memory_train_loader if in_ram else make_train_loader)(
         cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
         world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
         seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
@@ -192,7 +196,8 @@ def _setup(cfg: Config, header: str) -> _Setup:
         log.info("torch.compile %s (%s)", "on: each block" if mode == "on" else mode, why)
     cpu_autocast = device.type == "cpu" and precision == "bf16"
     derived = {"world_size": world, "accum": accum, "micro": micro, "precision": precision,
-               "compile": "trial" if mode == "trial" else compiled}  # fmt: skip
+               "compile": "trial" if mode == "trial" else compiled,
+               "in_memory": in_ram}  # fmt: skip
     return _Setup(
         cfg, rank, world, micro, run_dir, manifest, spec, objective_options, precision,
         cpu_autocast, loader, total_steps, flops, engine, optimizer, schedule, derived,
@@ -236,7 +241,9 @@ class _StepLog:
         return row
 
 
-def _batches(loader: TrainLoader, n: Counters, total_steps: int) -> Iterator[tuple]:
+def _batches(
+    loader: TrainLoader | MemoryTrainLoader, n: Counters, total_steps: int
+) -> Iterator[tuple]:
     """(images, labels, seconds waited for them) until `total_steps`, epoch after epoch; the
     caller advances `n.step`."""
     while n.step < total_steps:

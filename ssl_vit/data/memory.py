@@ -1,0 +1,258 @@
+"""Training batches from a split decoded once into RAM (`data.in_memory`), for splits that fit.
+
+Why: the streaming loader (ssl_vit.data.stream) pays tar parsing, PNG decoding and augmentation
+for every sample of every epoch, in worker processes that share the CPU with the training step.
+On a small machine that is a few percent of training speed (benchmarks/train_throughput.py),
+and for a small dataset it buys nothing: Fashion-MNIST's training split decodes to 46 MB. Here
+the split is decoded once at start (by the streaming eval reader's workers, so corrupt samples
+are dropped and counted the same way), held as one uint8 tensor, and each batch is an index
+gather plus batched augmentation in the training process: no worker runs beside the step.
+
+Contract, as the streaming TrainLoader's: `steps_per_epoch = num_samples // global_batch` on
+every rank; held-out samples (ssl_vit.data.holdout) are never yielded; `set_epoch(e, k)` yields
+exactly batches k.. of epoch e. Each epoch is a full permutation seeded by (seed, epoch); global
+batch s is positions [s*G, (s+1)*G) of it, rank r takes the r-th slice, and the augmentation of
+the whole global batch is drawn from (seed, epoch, s): n ranks see what one rank with n times
+the batch sees. The crop is the streaming loader's (ssl_vit.data.augment.crop_params), applied
+to the batch by bilinear resampling (torch's grid_sample, not PIL's antialiased box filter: the
+pixels differ slightly where a crop is shrunk); a crop of the whole image at the output size is
+the image itself, and flips are exact.
+
+Every rank decodes the whole split (each needs every sample across epochs); `auto` therefore
+counts the decoded bytes once per rank against MEMORY_BUDGET.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from .augment import crop_params, mix_seed
+from .datasets import EvalStream
+from .holdout import held_out_indices
+from .manifest import Manifest, load_manifest
+from .shards import SkipCounter, select_shards
+
+log = logging.getLogger("ssl_vit.data")
+MEMORY_BUDGET = 2 << 30  # bytes of decoded images per rank that `auto` holds in RAM
+
+
+def decoded_bytes(manifest: Manifest, split: str) -> int | None:
+    """Bytes of the split decoded to uint8, or None when its images differ in size."""
+    if manifest.image_size is None:
+        return None
+    h, w = manifest.image_size
+    return manifest.split(split).num_samples * manifest.channels * h * w
+
+
+def resolve_in_memory(setting: Any, manifest: Manifest, split: str) -> tuple[bool, str]:
+    """(hold the split in RAM?, why) for `data.in_memory` = true, false or auto."""
+    size = decoded_bytes(manifest, split)
+    if setting is False:
+        return False, "data.in_memory=false"
+    if size is None:
+        if setting is True:
+            raise ValueError(
+                f"{manifest.root}: data.in_memory=true needs images of one size (the manifest's "
+                "image_size is null); set data.in_memory=false or auto"
+            )
+        return False, "images differ in size"
+    mb = f"{size / 2**20:.0f} MB decoded"
+    if setting is True:
+        return True, f"data.in_memory=true, {mb}"
+    if size > MEMORY_BUDGET:
+        return False, f"{mb}, above the {MEMORY_BUDGET >> 20} MB budget"
+    return True, f"auto: {mb}"
+
+
+def _decode_split(
+    manifest: Manifest, split: str, missing: str, workers: int, counter: SkipCounter
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(images (N, C, H, W) uint8, labels (N,), indices (N,)) of every readable sample, and the
+    sample count of the shards present (what the indices, and so the held-out hash, range over:
+    the streaming loaders' numbering)."""
+    shards = select_shards(manifest, split, missing)  # type: ignore[arg-type]
+    n = sum(r.num_samples for r in shards)
+    h, w = manifest.image_size  # type: ignore[misc]
+    stream = EvalStream(
+        shards, channels=manifest.channels, labelled=manifest.class_names is not None, lo=0,
+        hi=n, batch=1024, img_size=h, with_keys=False, counter=counter, subset=None,
+        with_indices=True,
+    )  # fmt: skip
+    images = torch.empty((n, manifest.channels, h, w), dtype=torch.uint8)
+    labels = torch.empty(n, dtype=torch.int64)
+    index = torch.empty(n, dtype=torch.int64)
+    ctx = mp.get_context() if workers > 0 else None
+    got = 0
+    for imgs, labs, idx in DataLoader(
+        stream, batch_size=None, num_workers=workers, multiprocessing_context=ctx
+    ):
+        if imgs.shape[2:] != (h, w):
+            raise ValueError(
+                f"{manifest.root}: a {split} image is {tuple(imgs.shape[2:])}, not the "
+                f"manifest's image_size {h}x{w}; rebuild the manifest or set data.in_memory=false"
+            )
+        k = imgs.shape[0]
+        images[got : got + k], labels[got : got + k], index[got : got + k] = imgs, labs, idx
+        got += k
+    return images[:got], labels[:got], index[:got], n
+
+
+class MemoryTrainLoader:
+    """`len(self)` batches of one epoch from RAM; `set_epoch` moves on. See the module doc."""
+
+    def __init__(
+        self,
+        images: torch.Tensor,  # (N, C, H, W) uint8, training samples only
+        labels: torch.Tensor,  # (N,) int64
+        *,
+        manifest: Manifest,
+        split: str,
+        global_batch: int,
+        rank: int,
+        world_size: int,
+        img_size: int,
+        seed: int,
+        augment: bool,
+        scale: tuple[float, float],
+        hflip: bool,
+        counter: SkipCounter,
+    ) -> None:
+        self.images, self.labels, self.manifest, self.split = images, labels, manifest, split
+        self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
+        self.batch_size = global_batch // world_size
+        self.img_size, self.seed, self.augment = img_size, seed, augment
+        self.scale, self.hflip, self.counter = tuple(scale), hflip, counter
+        self.steps_per_epoch = len(images) // global_batch
+        self.epoch = self.skip_batches = 0
+
+    num_samples = property(lambda self: len(self.images))
+    num_skipped = property(lambda self: self.counter.samples)
+    num_shard_errors = property(lambda self: self.counter.shard_errors)
+    channels = property(lambda self: self.manifest.channels)
+    mean = property(lambda self: self.manifest.mean)
+    std = property(lambda self: self.manifest.std)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        if not 0 <= skip_batches <= self.steps_per_epoch:
+            raise ValueError(f"skip_batches={skip_batches} outside [0, {self.steps_per_epoch}]")
+        self.epoch, self.skip_batches = epoch, skip_batches
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch - self.skip_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch, 0x3E3) >> 1)
+        order = torch.randperm(len(self.images), generator=gen)
+        G, B = self.global_batch, self.batch_size
+        for step in range(self.skip_batches, self.steps_per_epoch):
+            mine = order[step * G + self.rank * B : step * G + (self.rank + 1) * B]
+            images = self.images[mine]  # (B, C, H, W) uint8
+            if self.augment:
+                images = self._augment(images, step)
+            elif images.shape[-1] != self.img_size or images.shape[-2] != self.img_size:
+                images = _centre_resize(images, self.img_size)
+            yield images, self.labels[mine]
+
+    def _augment(self, images: torch.Tensor, step: int) -> torch.Tensor:
+        """The streaming loader's crop and flip distribution, drawn for the whole global batch
+        from (seed, epoch, step) so that each rank's slice is the same whatever the rank count."""
+        rng = random.Random(mix_seed(self.seed, self.epoch, step, 0xA06))
+        h, w = images.shape[-2:]
+        size, lo = self.img_size, self.rank * self.batch_size
+        whole = self.scale[0] >= 1.0 and 3 / 4 <= w / h <= 4 / 3
+        boxes = [(0, 0, h, w) if whole else crop_params(h, w, rng, self.scale)
+                 for _ in range(self.global_batch)][lo : lo + self.batch_size]  # fmt: skip
+        flips = [self.hflip and rng.random() < 0.5 for _ in range(self.global_batch)]
+        if whole:
+            if (h, w) != (size, size):
+                images = _centre_resize(images, size, square=False)
+        else:
+            images = _crop_resize(images, boxes, size)
+        flip = torch.tensor(flips[lo : lo + self.batch_size]).view(-1, 1, 1, 1)
+        return torch.where(flip, images.flip(-1), images)
+
+
+def _crop_resize(images: torch.Tensor, boxes: list[tuple], size: int) -> torch.Tensor:
+    """Each image's (top, left, h, w) box resampled to size x size, bilinear, in one call."""
+    B, C, H, W = images.shape
+    box = torch.tensor(boxes, dtype=torch.float32)  # (B, 4)
+    top, left, bh, bw = box.unbind(1)
+    theta = torch.zeros(B, 2, 3)
+    theta[:, 0, 0], theta[:, 0, 2] = bw / W, (2 * left + bw) / W - 1  # x: box centre, width
+    theta[:, 1, 1], theta[:, 1, 2] = bh / H, (2 * top + bh) / H - 1
+    grid = F.affine_grid(theta, [B, C, size, size], align_corners=False)
+    out = F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border",
+                        align_corners=False)  # fmt: skip
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _centre_resize(images: torch.Tensor, size: int, square: bool = True) -> torch.Tensor:
+    """The central square (or, with square=False, the whole image) resized to size x size
+    (bilinear, antialiased as the streaming loader's PIL resize is)."""
+    h, w = images.shape[-2:]
+    if square:
+        side = min(h, w)
+        top, left = (h - side) // 2, (w - side) // 2
+        images = images[..., top : top + side, left : left + side]
+    out = F.interpolate(images.float(), size=(size, size), mode="bilinear", antialias=True,
+                        align_corners=False)  # fmt: skip
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def make_memory_train_loader(
+    root: str | Path,
+    split: str,
+    *,
+    global_batch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 2,
+    img_size: int = 224,
+    seed: int = 0,
+    epoch: int = 0,
+    skip_batches: int = 0,
+    augment: bool = True,
+    scale: tuple[float, float] = (0.08, 1.0),
+    hflip: bool = True,
+    missing: Literal["error", "skip"] = "error",
+    holdout_fraction: float = 0.0,
+) -> MemoryTrainLoader:
+    """make_train_loader's batches, from the split decoded into RAM once (`num_workers` decode)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if global_batch < world_size or global_batch % world_size:
+        raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
+    manifest = load_manifest(root)
+    resolve_in_memory(True, manifest, split)  # one size of image, or a one-line error
+    counter = SkipCounter(mp.get_context())
+    start = time.perf_counter()
+    images, labels, index, total = _decode_split(manifest, split, missing, num_workers, counter)
+    held = torch.from_numpy(held_out_indices(total, holdout_fraction))
+    keep = ~torch.isin(index, held)
+    images, labels = images[keep].contiguous(), labels[keep].contiguous()
+    if len(images) < global_batch:
+        raise ValueError(
+            f"{manifest.root}: split {split!r} has {len(images)} training samples, fewer than "
+            f"one global batch of {global_batch}; lower the batch size"
+        )
+    secs = time.perf_counter() - start
+    log.info("%s: %d %s images decoded into RAM (%.0f MB) in %.1f s, %.0f images/s; %d skipped",
+             manifest.root, len(images), split, images.numel() / 2**20, secs,
+             len(index) / max(secs, 1e-9), counter.samples)  # fmt: skip
+    loader = MemoryTrainLoader(
+        images, labels, manifest=manifest, split=split, global_batch=global_batch, rank=rank,
+        world_size=world_size, img_size=img_size, seed=seed, augment=augment, scale=scale,
+        hflip=hflip, counter=counter,
+    )  # fmt: skip
+    loader.set_epoch(epoch, skip_batches)
+    return loader

@@ -1,0 +1,112 @@
+"""The in-RAM training loader (ssl_vit.data.memory) on small real shard sets: the streaming
+loader's contract (samples, held-out, equal steps, exact resume, rank invariance), its crop
+geometry, bad data, and when `auto` holds a split in RAM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_stream import make_set
+
+from ssl_vit.data import memory
+from ssl_vit.data.holdout import held_out_indices
+from ssl_vit.data.manifest import load_manifest
+from ssl_vit.data.memory import make_memory_train_loader, resolve_in_memory
+from ssl_vit.data.stream import make_eval_loader
+
+
+def _loader(root: Path, **kw) -> memory.MemoryTrainLoader:
+    base = dict(global_batch=8, num_workers=2, img_size=8, seed=0)
+    return make_memory_train_loader(root, "train", **{**base, **kw})
+
+
+def _epoch(loader) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*loader, strict=True)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def test_an_epoch_is_a_permutation_of_the_training_samples(tmp_path):
+    """Without augmentation, an epoch's images are the split's own pixels (as the eval loader
+    reads them), each label once, held-out samples never; epochs differ in order only."""
+    root = make_set(tmp_path, [30, 17, 40])  # 87 samples; sample i has label i
+    held = set(held_out_indices(87, 0.1).tolist())
+    assert held
+    loader = _loader(root, augment=False, holdout_fraction=0.1)
+    train = 87 - len(held)
+    assert loader.num_samples == train and len(loader) == train // 8
+    x0, y0 = _epoch(loader)
+    assert len(y0) == 8 * (train // 8) and len(set(y0.tolist())) == len(y0)
+    assert not held & set(y0.tolist())
+    ref_x, ref_y = _epoch(make_eval_loader(root, "train", batch_size=16, img_size=8))
+    pixels = dict(zip(ref_y.tolist(), ref_x, strict=True))
+    assert all(torch.equal(x, pixels[y]) for x, y in zip(x0, y0.tolist(), strict=True))
+    loader.set_epoch(1)
+    _, y1 = _epoch(loader)
+    assert y1.tolist() != y0.tolist()
+
+
+def test_resume_yields_the_tail_and_ranks_split_the_global_batch(tmp_path):
+    """set_epoch(e, k) gives batches k.. of epoch e exactly, augmentation included; two ranks
+    at half the batch give, side by side, what one rank gives at the whole batch."""
+    root = make_set(tmp_path, [50, 50], size=12)
+    aug = dict(img_size=8, scale=(0.3, 1.0), global_batch=16)
+    one = _loader(root, **aug)
+    one.set_epoch(2)
+    full = list(one)
+    one.set_epoch(2, skip_batches=3)
+    tail = list(one)
+    assert len(tail) == len(full) - 3
+    for (a, la), (b, lb) in zip(full[3:], tail, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    ranks = [_loader(root, rank=r, world_size=2, **aug) for r in (0, 1)]
+    for r in ranks:
+        r.set_epoch(2)
+    for (x, y), (x0, y0), (x1, y1) in zip(full, *ranks, strict=True):
+        assert x0.shape == (8, 1, 8, 8)
+        assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
+
+
+def test_batched_crop_lands_on_the_box_and_flips_are_exact():
+    """A crop box the output's size is that box's pixels (the sampling grid hits pixel centres);
+    a whole-image box at its own size is the image."""
+    images = torch.randint(0, 256, (3, 1, 12, 12), dtype=torch.uint8)
+    boxes = [(0, 0, 6, 6), (3, 5, 6, 6), (6, 6, 6, 6)]
+    out = memory._crop_resize(images, boxes, 6)
+    for img, (t, left, h, w), o in zip(images, boxes, out, strict=True):
+        assert torch.equal(o, img[:, t : t + h, left : left + w])
+    assert torch.equal(memory._crop_resize(images, [(0, 0, 12, 12)] * 3, 12), images)
+    # Through the loader: with flips only, every image is its sample or its mirror, both occur.
+    gray = torch.arange(64, dtype=torch.uint8).view(1, 1, 8, 8).repeat(64, 1, 1, 1)
+    loader = memory.MemoryTrainLoader(
+        gray, torch.arange(64), manifest=None, split="train", global_batch=64, rank=0,
+        world_size=1, img_size=8, seed=0, augment=True, scale=(1.0, 1.0), hflip=True,
+        counter=None,
+    )  # fmt: skip
+    ((x, _),) = list(loader)
+    flipped = torch.tensor([torch.equal(im, gray[0].flip(-1)) for im in x])
+    same = torch.tensor([torch.equal(im, gray[0]) for im in x])
+    assert bool((flipped | same).all()) and 10 < int(flipped.sum()) < 54
+
+
+def test_corrupt_samples_are_dropped_and_counted(tmp_path):
+    root = make_set(tmp_path, [20, 20], corrupt_image=(3, 25), bad_cls=(11,))
+    loader = _loader(root, augment=False)
+    assert loader.num_samples == 37 and loader.num_skipped == 3
+    _, y = _epoch(loader)
+    assert not {3, 11, 25} & set(y.tolist())
+
+
+def test_auto_holds_a_split_of_one_size_within_the_budget(tmp_path, monkeypatch):
+    root = make_set(tmp_path, [20])
+    manifest = load_manifest(root)
+    assert resolve_in_memory("auto", manifest, "train")[0]
+    assert not resolve_in_memory(False, manifest, "train")[0]
+    monkeypatch.setattr(memory, "MEMORY_BUDGET", 20 * 8 * 8 - 1)  # one byte short
+    ok, why = resolve_in_memory("auto", manifest, "train")
+    assert not ok and "budget" in why
+    manifest.image_size = None  # images of several sizes
+    assert not resolve_in_memory("auto", manifest, "train")[0]
+    with pytest.raises(ValueError, match="image_size is null.*data.in_memory=false"):
+        resolve_in_memory(True, manifest, "train")
