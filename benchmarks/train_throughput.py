@@ -4,7 +4,9 @@ with a plain in-memory timm + AdamW loop on the same model and batch.
     python benchmarks/train_throughput.py [--shards shards/fashion-mnist] [--steps 60]
         [--rounds 3] [--config configs/fmnist_vit_tiny_mpp.yaml] [--out RESULT.json] [k=v ...]
 
-Runs `pipelines/mpp_pretrain.py` (DeepSpeed, real loader) in a temporary run directory and
+Runs `pipelines/mpp_pretrain.py` (DeepSpeed, the real input path as the preset resolves it:
+with `data.in_memory=auto`, Fashion-MNIST is decoded once into RAM at start, ssl_vit.data.memory;
+pass data.in_memory=false to time the streaming loader) in a temporary run directory and
 reports, over the logging windows after the first (warm-up), the medians of: images/s, model
 FLOP/s, model FLOP utilisation against the dense matmul peak the trainer measures at start at
 the same precision, and the share of step time spent waiting for the data loader (goal: < 5%).
