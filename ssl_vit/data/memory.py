@@ -25,6 +25,7 @@ counts the decoded bytes once per rank against MEMORY_BUDGET.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import random
 import time
 from collections.abc import Iterator
@@ -40,7 +41,6 @@ from .datasets import EvalStream
 from .holdout import held_out_indices
 from .manifest import Manifest, load_manifest
 from .shards import SkipCounter, select_shards
-from .stream import worker_context
 
 log = logging.getLogger("ssl_vit.data")
 MEMORY_BUDGET = 2 << 30  # bytes of decoded images per rank that `auto` holds in RAM
@@ -91,7 +91,7 @@ def _decode_split(
     images = torch.empty((n, manifest.channels, h, w), dtype=torch.uint8)
     labels = torch.empty(n, dtype=torch.int64)
     index = torch.empty(n, dtype=torch.int64)
-    ctx = worker_context() if workers > 0 else None
+    ctx = mp.get_context() if workers > 0 else None
     got = 0
     for imgs, labs, idx in DataLoader(
         stream, batch_size=None, num_workers=workers, multiprocessing_context=ctx
@@ -234,7 +234,7 @@ def make_memory_train_loader(
         raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
     manifest = load_manifest(root)
     resolve_in_memory(True, manifest, split)  # one size of image, or a one-line error
-    counter = SkipCounter(worker_context())
+    counter = SkipCounter(mp.get_context())
     start = time.perf_counter()
     images, labels, index, total = _decode_split(manifest, split, missing, num_workers, counter)
     held = torch.from_numpy(held_out_indices(total, holdout_fraction))

@@ -162,24 +162,12 @@ class EvalLoader(ShardLoader):
         return (self.num_samples + self.dataset.batch - 1) // self.dataset.batch
 
 
-def worker_context(name: str | None = None) -> mp.context.BaseContext:
-    """How loader workers start: `name`, else forkserver where the OS has it. Forking the
-    training process itself is unsafe: its tracking, metrics and collective threads can hold a
-    lock at the moment of the fork, and the child then waits on that lock forever (seen as an
-    evaluation that never returned under ZeRO-3 in tests/test_zero.py, the worker parked on a
-    futex inside os.fork). The fork server is a clean process; it imports the readers once."""
-    if name is None and "forkserver" in mp.get_all_start_methods():
-        mp.set_forkserver_preload(["ssl_vit.data.datasets"])  # torch, numpy, PIL, our readers
-        name = "forkserver"
-    return mp.get_context(name)
-
-
 def _common(root: str | Path, split: str, num_workers: int, ctx: str | None, missing: str):
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     manifest = load_manifest(root)
     shards = select_shards(manifest, split, missing)  # type: ignore[arg-type]
-    mp_ctx = worker_context(ctx)
+    mp_ctx = mp.get_context(ctx)
     return manifest, shards, mp_ctx, SkipCounter(mp_ctx)
 
 
@@ -205,7 +193,7 @@ def make_train_loader(
     pin_memory: bool | None = None,
     prefetch_factor: int = 2,
     timeout: float = 0,
-    multiprocessing_context: str | None = None,  # None: worker_context's choice
+    multiprocessing_context: str | None = None,
 ) -> TrainLoader:
     """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
     int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
