@@ -22,6 +22,7 @@ from ssl_vit.engine.distributed import all_reduce_sum, barrier
 from ssl_vit.features import EvalBackbone, extract_features
 from ssl_vit.io import atomic_write_text
 
+IN_PROCESS_EVAL = 20_000  # samples of a split that in-training evaluation decodes in-process
 log = logging.getLogger("ssl_vit.train")
 
 
@@ -125,7 +126,7 @@ class InTrainingEvals:
         state: dict,
         export: Callable[[Path, dict], None],
     ) -> None:
-        self.cfg, self.rank, self.world = cfg, rank, world
+        self.cfg, self.manifest, self.rank, self.world = cfg, manifest, rank, world
         self.img_size, self.in_chans, self.autocast = cfg.model.img_size, spec.in_chans, autocast
         self.mean, self.std = spec.mean, spec.std
         self.total, self.export = total_steps, export
@@ -162,10 +163,16 @@ class InTrainingEvals:
 
     def _accuracy(self, classifier: nn.Module, split: str) -> float:
         held = split == HOLDOUT_SPLIT
+        name = self.cfg.data.split if held else split
+        # A split this small decodes in well under a second here, so no worker is forked: a
+        # fork of the training process, whose tracking and collective threads run, once left a
+        # worker waiting forever on a lock inside os.fork (a ZeRO-3 test run that never ended).
+        small = self.manifest.split(name).num_samples <= IN_PROCESS_EVAL
         return classifier_accuracy(
-            classifier, self.cfg.data.root, self.cfg.data.split if held else split,
+            classifier, self.cfg.data.root, name,
             img_size=self.img_size, batch_size=256, rank=self.rank, world=self.world,
-            num_workers=min(2, self.cfg.data.num_workers), autocast=self.autocast,
+            num_workers=0 if small else min(2, self.cfg.data.num_workers),
+            autocast=self.autocast,
             holdout_fraction=self.holdout if held else None,
         )  # fmt: skip
 
