@@ -13,13 +13,13 @@ from test_stream import make_set
 from ssl_vit.data import memory
 from ssl_vit.data.holdout import held_out_indices
 from ssl_vit.data.manifest import load_manifest
-from ssl_vit.data.memory import make_memory_train_loader, resolve_in_memory
-from ssl_vit.data.stream import make_eval_loader
+from ssl_vit.data.memory import resolve_in_memory
+from ssl_vit.data.stream import make_eval_loader, make_train_loader
 
 
 def _loader(root: Path, **kw) -> memory.MemoryTrainLoader:
-    base = dict(global_batch=8, num_workers=2, img_size=8, seed=0)
-    return make_memory_train_loader(root, "train", **{**base, **kw})
+    base = dict(global_batch=8, num_workers=2, img_size=8, seed=0, in_memory=True)
+    return make_train_loader(root, "train", **{**base, **kw})
 
 
 def _epoch(loader) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 Why: the streaming loader (ssl_vit.data.stream) pays tar parsing, PNG decoding and augmentation
 for every sample of every epoch, in worker processes that share the CPU with the training step.
 On a small machine that is a few percent of training speed (benchmarks/train_throughput.py),
-and for a small dataset it buys nothing: Fashion-MNIST's training split decodes to 46 MB. Here
+and for a small dataset it buys nothing: Fashion-MNIST's training split decodes to 45 MB. Here
 the split is decoded once at start (by the streaming eval reader's workers, so corrupt samples
 are dropped and counted the same way), held as one uint8 tensor, and each batch is an index
 gather plus batched augmentation in the training process: no worker runs beside the step.
@@ -29,8 +29,7 @@ import multiprocessing as mp
 import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +38,8 @@ from torch.utils.data import DataLoader
 from .augment import crop_params, mix_seed
 from .datasets import EvalStream
 from .holdout import held_out_indices
-from .manifest import Manifest, load_manifest
-from .shards import SkipCounter, select_shards
+from .manifest import Manifest
+from .shards import ShardRef, SkipCounter
 
 log = logging.getLogger("ssl_vit.data")
 MEMORY_BUDGET = 2 << 30  # bytes of decoded images per rank that `auto` holds in RAM
@@ -75,12 +74,10 @@ def resolve_in_memory(setting: Any, manifest: Manifest, split: str) -> tuple[boo
 
 
 def _decode_split(
-    manifest: Manifest, split: str, missing: str, workers: int, counter: SkipCounter
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(images (N, C, H, W) uint8, labels (N,), indices (N,)) of every readable sample, and the
-    sample count of the shards present (what the indices, and so the held-out hash, range over:
-    the streaming loaders' numbering)."""
-    shards = select_shards(manifest, split, missing)  # type: ignore[arg-type]
+    manifest: Manifest, split: str, shards: list[ShardRef], workers: int, counter: SkipCounter
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(images (N, C, H, W) uint8, labels (N,), manifest indices (N,)) of every readable
+    sample of `shards`."""
     n = sum(r.num_samples for r in shards)
     h, w = manifest.image_size  # type: ignore[misc]
     stream = EvalStream(
@@ -104,7 +101,7 @@ def _decode_split(
         k = imgs.shape[0]
         images[got : got + k], labels[got : got + k], index[got : got + k] = imgs, labs, idx
         got += k
-    return images[:got], labels[:got], index[:got], n
+    return images[:got], labels[:got], index[:got]
 
 
 class MemoryTrainLoader:
@@ -209,50 +206,25 @@ def _centre_resize(images: torch.Tensor, size: int, square: bool = True) -> torc
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
-def make_memory_train_loader(
-    root: str | Path,
+def load_training_samples(
+    manifest: Manifest,
     split: str,
-    *,
-    global_batch: int,
-    rank: int = 0,
-    world_size: int = 1,
-    num_workers: int = 2,
-    img_size: int = 224,
-    seed: int = 0,
-    epoch: int = 0,
-    skip_batches: int = 0,
-    augment: bool = True,
-    scale: tuple[float, float] = (0.08, 1.0),
-    hflip: bool = True,
-    missing: Literal["error", "skip"] = "error",
-    holdout_fraction: float = 0.0,
-) -> MemoryTrainLoader:
-    """make_train_loader's batches, from the split decoded into RAM once (`num_workers` decode)."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-    if global_batch < world_size or global_batch % world_size:
-        raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
-    manifest = load_manifest(root)
+    shards: list[ShardRef],
+    num_workers: int,
+    holdout_fraction: float,
+    counter: SkipCounter,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images (N, C, H, W) uint8, labels (N,)) of the split's readable, not held-out samples,
+    decoded by `num_workers` workers; make_train_loader(in_memory=True) batches them."""
     resolve_in_memory(True, manifest, split)  # one size of image, or a one-line error
-    counter = SkipCounter(mp.get_context())
     start = time.perf_counter()
-    images, labels, index, total = _decode_split(manifest, split, missing, num_workers, counter)
-    held = torch.from_numpy(held_out_indices(total, holdout_fraction))
-    keep = ~torch.isin(index, held)
+    images, labels, index = _decode_split(manifest, split, shards, num_workers, counter)
+    # The held-out hash ranges over the shards present, as the streaming loaders number them.
+    total = sum(r.num_samples for r in shards)
+    keep = ~torch.isin(index, torch.from_numpy(held_out_indices(total, holdout_fraction)))
     images, labels = images[keep].contiguous(), labels[keep].contiguous()
-    if len(images) < global_batch:
-        raise ValueError(
-            f"{manifest.root}: split {split!r} has {len(images)} training samples, fewer than "
-            f"one global batch of {global_batch}; lower the batch size"
-        )
     secs = time.perf_counter() - start
     log.info("%s: %d %s images decoded into RAM (%.0f MB) in %.1f s, %.0f images/s; %d skipped",
              manifest.root, len(images), split, images.numel() / 2**20, secs,
              len(index) / max(secs, 1e-9), counter.samples)  # fmt: skip
-    loader = MemoryTrainLoader(
-        images, labels, manifest=manifest, split=split, global_batch=global_batch, rank=rank,
-        world_size=world_size, img_size=img_size, seed=seed, augment=augment, scale=scale,
-        hflip=hflip, counter=counter,
-    )  # fmt: skip
-    loader.set_epoch(epoch, skip_batches)
-    return loader
+    return images, labels

@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .datasets import EvalStream, TrainStream
 from .holdout import held_out_indices
 from .manifest import Manifest, load_manifest
+from .memory import MemoryTrainLoader, load_training_samples
 from .shards import SkipCounter, select_shards
 
 
@@ -194,12 +195,15 @@ def make_train_loader(
     prefetch_factor: int = 2,
     timeout: float = 0,
     multiprocessing_context: str | None = None,
-) -> TrainLoader:
+    in_memory: bool = False,
+) -> TrainLoader | MemoryTrainLoader:
     """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
     int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
     paper's random resized crop (`scale`) and flip (`hflip`); without it, a centre resize.
     `holdout_fraction` keeps that hashed share of the split out of training (module doc).
-    Resume with the same seed, world_size and num_workers for an exact continuation."""
+    Resume with the same seed, world_size and num_workers for an exact continuation.
+    `in_memory`: the split decoded once by `num_workers` workers and batched from RAM
+    (ssl_vit.data.memory, same contract)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if global_batch < world_size or global_batch % world_size:
@@ -207,15 +211,29 @@ def make_train_loader(
     manifest, shards, ctx, counter = _common(
         root, split, num_workers, multiprocessing_context, missing
     )
-    total = sum(r.num_samples for r in shards)
-    exclude = frozenset(held_out_indices(total, holdout_fraction).tolist())
-    num_samples = total - len(exclude)
+    if in_memory:
+        images, labels = load_training_samples(
+            manifest, split, shards, num_workers, holdout_fraction, counter
+        )
+        num_samples = len(images)
+    else:
+        total = sum(r.num_samples for r in shards)
+        exclude = frozenset(held_out_indices(total, holdout_fraction).tolist())
+        num_samples = total - len(exclude)
     steps = num_samples // global_batch
     if steps == 0:
         raise ValueError(
             f"{manifest.root}: split {split!r} has {num_samples} samples, fewer than one global "
             f"batch of {global_batch}; lower the batch size"
         )
+    if in_memory:
+        loader: TrainLoader | MemoryTrainLoader = MemoryTrainLoader(
+            images, labels, manifest=manifest, split=split, global_batch=global_batch,
+            rank=rank, world_size=world_size, img_size=img_size, seed=seed, augment=augment,
+            scale=scale, hflip=hflip, counter=counter,
+        )  # fmt: skip
+        loader.set_epoch(epoch, skip_batches)
+        return loader
     dataset = TrainStream(
         shards, channels=manifest.channels, labelled=manifest.class_names is not None,
         rank=rank, world_size=world_size, workers=max(1, num_workers),

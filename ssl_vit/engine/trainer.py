@@ -30,7 +30,7 @@ import torch
 
 from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, save_config
 from ssl_vit.data.manifest import Manifest
-from ssl_vit.data.memory import MemoryTrainLoader, make_memory_train_loader, resolve_in_memory
+from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
 from ssl_vit.data.stream import TrainLoader, make_train_loader
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
@@ -166,12 +166,13 @@ def _setup(cfg: Config, header: str) -> _Setup:
     in_ram, why_ram = resolve_in_memory(cfg.data.in_memory, manifest, cfg.data.split)
     if rank == 0:
         log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
-    loader = (make_memory_train_loader if in_ram else make_train_loader)(
+    loader = make_train_loader(
         cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
         world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
         seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
         hflip=cfg.data.hflip, missing=cfg.data.missing_shards,
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
+        in_memory=in_ram,
     )  # fmt: skip
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * loader.steps_per_epoch)
     flops = 0.0
