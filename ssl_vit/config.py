@@ -55,6 +55,9 @@ class DataConfig:
     augment: bool = True  # random resized crop + flip: the classification augmentation (B.1.2)
     crop_scale: tuple[float, float] = (0.08, 1.0)
     hflip: bool = True
+    # Random shift of up to this many pixels per axis, zero-filled, after the crop: the "pad and
+    # random crop" of small-image training (CIFAR-style); 0: none, as the paper (B.1.2).
+    translate: int = 0
     missing_shards: str = "error"  # "error" or "skip"
     # Hashed share of `split` kept out of training to choose on (ssl_vit.data.holdout).
     # None: 0.02 when fine-tuning (the paper's held-out 2%, appendix B.1.1), else 0.
@@ -170,8 +173,12 @@ def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config dict, as YAML reads it back, less the keys that change how a run executes but
     not what it trains (tracking, train.compile, data.in_memory: the same augmentation
     distribution, fed another way): what two runs must share for one's result to stand for the
-    other's (a sweep's finished values, the study's steps)."""
+    other's (a sweep's finished values, the study's steps). A key the config has gained since
+    `cfg` was written counts at its default, the value every run before it trained with."""
     out = yaml.safe_load(yaml.safe_dump(cfg))
+    for section, defaults in Config().to_dict().items():
+        if isinstance(out.get(section), dict):
+            out[section] = {**defaults, **out[section]}
     out.pop("tracking", None)
     out.get("train", {}).pop("compile", None)
     out.get("data", {}).pop("in_memory", None)
@@ -331,6 +338,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: choose cosine or linear")
     if cfg.data.in_memory not in (True, False, "auto"):
         raise ConfigError(f"data.in_memory={cfg.data.in_memory!r}: choose true, false or auto")
+    if not 0 <= cfg.data.translate < cfg.model.img_size:
+        raise ConfigError(
+            f"data.translate={cfg.data.translate}: a shift in pixels in [0, model.img_size)"
+        )
     if cfg.data.missing_shards not in ("error", "skip"):
         raise ConfigError(f"data.missing_shards={cfg.data.missing_shards!r}: error or skip")
     if t.global_batch <= 0:

@@ -19,6 +19,7 @@ from ssl_vit.data.augment import (
     decode_sample,
     decode_with_pil,
     eval_transform,
+    shift_image,
     train_transform,
 )
 
@@ -129,3 +130,33 @@ def test_eval_transform_is_a_no_op_at_size_and_a_centre_crop_otherwise() -> None
     wide = np.random.default_rng(3).integers(0, 256, (20, 30), dtype=np.uint8)
     want = np.asarray(Image.fromarray(wide).resize((16, 16), Image.BILINEAR, (5, 0, 25, 20)))
     assert np.array_equal(eval_transform(wide, 16), want)
+
+
+def _shift_of(out: np.ndarray, img: np.ndarray, bound: int) -> tuple[int, int] | None:
+    """The (dy, dx) within `bound` that turns `img` into `out`, or None."""
+    return next(((dy, dx) for dy in range(-bound, bound + 1) for dx in range(-bound, bound + 1)
+                 if np.array_equal(shift_image(img, dy, dx), out)), None)  # fmt: skip
+
+
+def test_shift_moves_pixels_and_zero_fills_the_border() -> None:
+    img = np.arange(1, 26, dtype=np.uint8).reshape(5, 5)
+    out = shift_image(img, 1, -2)  # down 1, left 2
+    assert np.array_equal(out[1:, :3], img[:4, 2:]) and not out[0].any() and not out[:, 3:].any()
+    rgb = np.stack([img, img + 30, img + 60], -1)
+    assert np.array_equal(shift_image(rgb, -1, 1)[..., 2], shift_image(rgb[..., 2], -1, 1))
+    assert shift_image(img, 0, 0) is img and not shift_image(img, 5, 0).any()
+
+
+def test_train_transform_shifts_within_the_bound_and_keeps_the_other_draws() -> None:
+    """translate=t shifts by each (dy, dx) in [-t, t]^2, all of them met; translate=0 draws
+    nothing more, so a run without it augments exactly as before."""
+    img = np.random.default_rng(4).integers(1, 256, (12, 12), dtype=np.uint8)
+    seen = set()
+    for seed in range(300):
+        out = train_transform(img, random.Random(seed), 12, scale=(1.0, 1.0), hflip=False,
+                              translate=1)  # fmt: skip
+        seen.add(_shift_of(out, img, 1))
+        crop = dict(scale=(0.5, 1.0))
+        plain = train_transform(img, random.Random(seed), 12, translate=0, **crop)
+        assert np.array_equal(plain, train_transform(img, random.Random(seed), 12, **crop))
+    assert seen == {(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)}

@@ -94,6 +94,8 @@ ROWS = [
      "train.steps / train.epochs must be positive"),
     ("corrupt-ratio-above-one", [MPP, *PRE, "objective.corrupt_ratio=1.5"], 2,
      "objective.corrupt_ratio=1.5: must be in (0, 1]"),
+    ("translate-beyond-the-image", [MPP, *PRE, "data.translate=40"], 2,
+     "data.translate=40: a shift in pixels in [0, model.img_size)"),
     ("img-size-not-divisible", [MPP, *PRE, "model.img_size=18"], 2,
      "model.img_size=18 is not divisible by model.patch_size=4"),
     ("batch-larger-than-data", [MPP, *PRE, "train.global_batch=4096"], 2,

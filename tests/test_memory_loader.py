@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_stream import make_set
 
 from ssl_vit.data import memory
+from ssl_vit.data.augment import shift_image
 from ssl_vit.data.holdout import held_out_indices
 from ssl_vit.data.manifest import load_manifest
 from ssl_vit.data.memory import resolve_in_memory
@@ -47,11 +49,12 @@ def test_an_epoch_is_a_permutation_of_the_training_samples(tmp_path):
     assert y1.tolist() != y0.tolist()
 
 
-def test_resume_yields_the_tail_and_ranks_split_the_global_batch(tmp_path):
+@pytest.mark.parametrize("translate", [0, 2])
+def test_resume_yields_the_tail_and_ranks_split_the_global_batch(tmp_path, translate):
     """set_epoch(e, k) gives batches k.. of epoch e exactly, augmentation included; two ranks
     at half the batch give, side by side, what one rank gives at the whole batch."""
     root = make_set(tmp_path, [50, 50], size=12)
-    aug = dict(img_size=8, scale=(0.3, 1.0), global_batch=16)
+    aug = dict(img_size=8, scale=(0.3, 1.0), global_batch=16, translate=translate)
     one = _loader(root, **aug)
     one.set_epoch(2)
     full = list(one)
@@ -88,6 +91,20 @@ def test_batched_crop_lands_on_the_box_and_flips_are_exact():
     flipped = torch.tensor([torch.equal(im, gray[0].flip(-1)) for im in x])
     same = torch.tensor([torch.equal(im, gray[0]) for im in x])
     assert bool((flipped | same).all()) and 10 < int(flipped.sum()) < 54
+
+
+def test_shifts_are_the_streaming_loaders_within_the_bound():
+    """translate=2: each image is its sample moved by some (dy, dx) in [-2, 2]^2 (the streaming
+    path's shift_image), many different shifts in one batch, each rank's slice its own."""
+    gray = torch.arange(1, 65, dtype=torch.uint8).view(1, 1, 8, 8).repeat(64, 1, 1, 1)
+    kw = dict(manifest=None, split="train", global_batch=64, world_size=1, img_size=8, seed=0,
+              augment=True, scale=(1.0, 1.0), hflip=False, counter=None, translate=2)  # fmt: skip
+    ((x, _),) = list(memory.MemoryTrainLoader(gray, torch.arange(64), rank=0, **kw))
+    src = gray[0, 0].numpy()
+    shifts = [next(((dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
+                    if np.array_equal(shift_image(src, dy, dx), im[0].numpy())), None)
+              for im in x]  # fmt: skip
+    assert None not in shifts and len(set(shifts)) > 12
 
 
 def test_corrupt_samples_are_dropped_and_counted(tmp_path):

@@ -255,6 +255,14 @@ def test_a_training_counts_by_its_resolved_config(tmp_path, monkeypatch):
     preset.write_text(preset.read_text().replace("compile: auto", "compile: false"))
     assert "compile: false" in preset.read_text()
     assert study_run.state(step, tmp_path) == "done"
+    # A result written before a config key existed (data.translate) trained at its default.
+    written = json.loads(res.read_text())
+    del written["recipe"]["config"]["data"]["translate"]
+    res.write_text(json.dumps(written))
+    assert study_run.state(step, tmp_path) == "done"
+    step.argv = [*argv, "data.translate=2"]  # the new key at another value: stale
+    assert study_run.state(step, tmp_path) == "stale"
+    step.argv = argv
     # A value that reaches training: stale, and it reruns.
     preset.write_text(preset.read_text().replace("global_batch: 256", "global_batch: 128"))
     assert study_run.state(step, tmp_path) == "stale"

@@ -1,10 +1,12 @@
 """Decoding and the paper's augmentation, on uint8 arrays.
 
 The ViT paper pretrains MPP with "the classification one" (appendix B.1.2): an Inception-style
-random resized crop plus a random horizontal flip. Both run on the decoded uint8 image (PIL's
-box resize, antialiased as torchvision's `antialias=True` is, and several times faster than
-torch kernels on small images); batches leave as uint8 (B, C, H, W) tensors, and normalisation
-with the manifest's mean/std happens later, on the device, inside the objective.
+random resized crop plus a random horizontal flip; `data.translate` optionally adds a random
+shift between the two (small images, where a crop that resizes loses too much). All run on the
+decoded uint8 image (PIL's box resize, antialiased as torchvision's `antialias=True` is, and
+several times faster than torch kernels on small images); batches leave as uint8 (B, C, H, W)
+tensors, and normalisation with the manifest's mean/std happens later, on the device, inside
+the objective.
 
 The loader workers share two CPU cores with training on a small machine, so every microsecond
 per sample shows in training speed (benchmarks/train_throughput.py): an 8-bit PNG already in
@@ -166,16 +168,39 @@ def train_transform(
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     hflip: bool = True,
+    translate: int = 0,
 ) -> np.ndarray:  # (size, size) or (size, size, 3) uint8
-    """Random resized crop to size x size, then a horizontal flip with probability 1/2."""
+    """Random resized crop to size x size, a random shift of up to `translate` pixels per axis
+    (zero-filled), then a horizontal flip with probability 1/2."""
     height, width = img.shape[:2]
     if scale[0] >= 1.0 and ratio[0] <= width / height <= ratio[1]:
         box = (0, 0, height, width)  # the only box of the whole area: no draws needed
     else:
         box = crop_params(height, width, rng, scale, ratio)
     out = _resize(img, size, box)
+    if translate:  # no draw without it: the crop and flip draws stay what they were
+        out = shift_image(out, *shift_params(rng, translate))
     if hflip and rng.random() < 0.5:
         out = out[:, ::-1]  # a view; to_batch copies
+    return out
+
+
+def shift_params(rng: random.Random, translate: int) -> tuple[int, int]:
+    """(dy, dx), each uniform over the integers in [-translate, translate]."""
+    return rng.randint(-translate, translate), rng.randint(-translate, translate)
+
+
+def shift_image(img: np.ndarray, dy: int, dx: int) -> np.ndarray:  # same shape as img
+    """`img` (H, W[, C]) moved down by dy and right by dx pixels, the uncovered border zero:
+    the "pad and random crop" of small-image training, with the crop kept at the image size."""
+    h, w = img.shape[:2]
+    if dy == dx == 0:
+        return img
+    out = np.zeros_like(img)
+    if abs(dy) < h and abs(dx) < w:
+        out[max(dy, 0) : h + min(dy, 0), max(dx, 0) : w + min(dx, 0)] = img[
+            max(-dy, 0) : h + min(-dy, 0), max(-dx, 0) : w + min(-dx, 0)
+        ]
     return out
 
 

@@ -51,6 +51,7 @@ class TrainStream(IterableDataset):
     augment: bool
     scale: tuple[float, float]
     hflip: bool
+    translate: int  # random shift of up to this many pixels per axis (0: none)
     shuffle_buffer: int
     shuffle_initial: int
     counter: SkipCounter
@@ -153,7 +154,9 @@ class TrainStream(IterableDataset):
     def _transform(self, img: np.ndarray, rng: random.Random) -> np.ndarray:
         if not self.augment:
             return eval_transform(img, self.img_size)
-        return train_transform(img, rng, self.img_size, scale=self.scale, hflip=self.hflip)
+        return train_transform(
+            img, rng, self.img_size, scale=self.scale, hflip=self.hflip, translate=self.translate
+        )
 
 
 @dataclass(eq=False)

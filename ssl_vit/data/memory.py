@@ -31,11 +31,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .augment import crop_params, mix_seed
+from .augment import crop_params, mix_seed, shift_image, shift_params
 from .datasets import EvalStream
 from .holdout import held_out_indices
 from .manifest import Manifest
@@ -123,12 +124,14 @@ class MemoryTrainLoader:
         scale: tuple[float, float],
         hflip: bool,
         counter: SkipCounter,
+        translate: int = 0,
     ) -> None:
         self.images, self.labels, self.manifest, self.split = images, labels, manifest, split
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.batch_size = global_batch // world_size
         self.img_size, self.seed, self.augment = img_size, seed, augment
         self.scale, self.hflip, self.counter = tuple(scale), hflip, counter
+        self.translate = translate
         self.steps_per_epoch = len(images) // global_batch
         self.epoch = self.skip_batches = 0
 
@@ -161,8 +164,9 @@ class MemoryTrainLoader:
             yield images, self.labels[mine]
 
     def _augment(self, images: torch.Tensor, step: int) -> torch.Tensor:
-        """The streaming loader's crop and flip distribution, drawn for the whole global batch
-        from (seed, epoch, step) so that each rank's slice is the same whatever the rank count."""
+        """The streaming loader's crop, shift and flip distribution, drawn for the whole global
+        batch from (seed, epoch, step) so that each rank's slice is the same whatever the rank
+        count."""
         rng = random.Random(mix_seed(self.seed, self.epoch, step, 0xA06))
         h, w = images.shape[-2:]
         size, lo = self.img_size, self.rank * self.batch_size
@@ -175,6 +179,12 @@ class MemoryTrainLoader:
                 images = _centre_resize(images, size, square=False)
         else:
             images = _crop_resize(images, boxes, size)
+        if self.translate:  # drawn after the flips: without it, the draws are what they were
+            shifts = [shift_params(rng, self.translate) for _ in range(self.global_batch)]
+            hwc = images.permute(0, 2, 3, 1).numpy()  # (B, H, W, C), a view
+            mine = shifts[lo : lo + self.batch_size]
+            moved = [shift_image(x, *s) for x, s in zip(hwc, mine, strict=True)]
+            images = torch.from_numpy(np.stack(moved)).permute(0, 3, 1, 2)  # (B, C, H, W)
         flip = torch.tensor(flips[lo : lo + self.batch_size]).view(-1, 1, 1, 1)
         return torch.where(flip, images.flip(-1), images)
 

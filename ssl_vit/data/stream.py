@@ -187,6 +187,7 @@ def make_train_loader(
     augment: bool = True,
     scale: tuple[float, float] = (0.08, 1.0),
     hflip: bool = True,
+    translate: int = 0,
     missing: Literal["error", "skip"] = "error",
     holdout_fraction: float = 0.0,
     shuffle_buffer: int = 2000,
@@ -199,7 +200,8 @@ def make_train_loader(
 ) -> TrainLoader | MemoryTrainLoader:
     """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
     int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
-    paper's random resized crop (`scale`) and flip (`hflip`); without it, a centre resize.
+    paper's random resized crop (`scale`) and flip (`hflip`), and a random shift of up to
+    `translate` pixels per axis (zero-filled; 0: none); without it, a centre resize.
     `holdout_fraction` keeps that hashed share of the split out of training (module doc).
     Resume with the same seed, world_size and num_workers for an exact continuation.
     `in_memory`: the split decoded once by `num_workers` workers and batched from RAM
@@ -230,7 +232,7 @@ def make_train_loader(
         loader: TrainLoader | MemoryTrainLoader = MemoryTrainLoader(
             images, labels, manifest=manifest, split=split, global_batch=global_batch,
             rank=rank, world_size=world_size, img_size=img_size, seed=seed, augment=augment,
-            scale=scale, hflip=hflip, counter=counter,
+            scale=scale, hflip=hflip, counter=counter, translate=translate,
         )  # fmt: skip
         loader.set_epoch(epoch, skip_batches)
         return loader
@@ -238,7 +240,7 @@ def make_train_loader(
         shards, channels=manifest.channels, labelled=manifest.class_names is not None,
         rank=rank, world_size=world_size, workers=max(1, num_workers),
         batch=global_batch // world_size, steps=steps, seed=seed, epoch=epoch, skip_batches=0,
-        img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip,
+        img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip, translate=translate,
         shuffle_buffer=shuffle_buffer, shuffle_initial=shuffle_initial, counter=counter,
         exclude=exclude, exclude_sorted=tuple(sorted(exclude)),
     )  # fmt: skip

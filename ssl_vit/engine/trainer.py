@@ -170,7 +170,7 @@ def _setup(cfg: Config, header: str) -> _Setup:
         cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
         world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
         seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
-        hflip=cfg.data.hflip, missing=cfg.data.missing_shards,
+        hflip=cfg.data.hflip, translate=cfg.data.translate, missing=cfg.data.missing_shards,
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
         in_memory=in_ram,
     )  # fmt: skip
