@@ -7,89 +7,28 @@ into results/study/ and logged to the study's MLflow parent run of MPP.
 
 from __future__ import annotations
 
-import json
-import statistics
 from pathlib import Path
-from typing import Any
 
 from study_figures import curve_figure, figure_lines, loss_figure
 from study_reading import KNN, PROBE, reading
+from study_results import SHOTS, Results, arm_row, arm_scores, fewshot, lr_text, mean_std, pct
+from study_tables import (
+    HIRES_ARM,
+    LONG_ARMS,
+    P4_ARMS,
+    SHIFT_ARMS,
+    dynamic,
+    inspect_figures,
+    longer_schedule,
+    recipes,
+    steps_table,
+)
 
 REFERENCES = [  # Fashion-MNIST README (zalandoresearch/fashion-mnist)
     ("human", 83.5), ("MLP", 88.3), ("2-conv CNN", 91.6), ("HOG + SVM", 92.6),
     ("ResNet18", 94.9), ("WRN-40-4", 96.7),
 ]  # fmt: skip
-SHOTS = (1, 5, 10, 25)
-LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two trainings (plan)
-HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
-P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid's two trainings (plan)
 RANDOM_OF = {"mpp_p4": "random_p4"}  # a pretraining's random-init baseline, where not "random"
-
-
-class Results:
-    """The study's results folder, read by step name."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def get(self, step: str) -> dict[str, Any] | None:
-        path = self.root / f"{step}.json"
-        return json.loads(path.read_text()) if path.is_file() else None
-
-    def output(self, step: str) -> dict[str, Any] | None:
-        res = self.get(step)
-        return None if res is None else res["result"]
-
-    def metric(self, evals: str, kind: str, key: str) -> float | None:
-        out = self.output(f"{evals}/{kind}")
-        return None if out is None else out["metrics"].get(key)
-
-    def metric_lines(self, step: str) -> list[dict]:
-        path = self.root / f"{step}.metrics.jsonl"
-        return [json.loads(ln) for ln in path.read_text().splitlines()] if path.is_file() else []
-
-    def selected(self, step: str) -> float | None:
-        """Test top-1 at the evaluation the held-out split chose (None: not run yet)."""
-        out = self.output(step)
-        return None if out is None else out.get("selected_top1")
-
-
-def _pct(x: float | None) -> str:
-    return "pending" if x is None else f"{100 * x:.1f}"
-
-
-def _fewshot(r: Results, evals: str) -> str:
-    out = r.output(f"{evals}/fewshot")
-    if out is None:
-        return "pending"
-    m = out["metrics"]
-    return " / ".join(f"{100 * m[f'fewshot_{n}shot_mean']:.1f}" for n in SHOTS)
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def arm_scores(r: Results, steps: list[str]) -> list[float]:
-    return [v for v in (r.selected(s) for s in steps) if v is not None]
-
-
-def _arm_row(r: Results, label: str, steps: list[str], lr: str) -> str:
-    scores = arm_scores(r, steps)
-    if not scores:
-        return f"| {label} | pending | - | {lr} |"
-    mean, std = _mean_std(scores)
-    each = ", ".join(f"{100 * v:.2f}" for v in scores)
-    return f"| {label} | {100 * mean:.2f} ± {100 * std:.2f} (n={len(scores)}) | {each} | {lr} |"
-
-
-def _lr(r: Results, sweep: str) -> str:
-    out = r.output(sweep)
-    if out is None:
-        return "pending"
-    held = ", ".join(f"{run['value']}: {100 * run['selection_best_top1']:.2f}"
-                     for run in out["runs"])  # fmt: skip
-    return f"{out['chosen']['optim.lr']} (held-out top-1 {held})"
 
 
 def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[str]:
@@ -102,19 +41,19 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
                      f"{'pending' if met is None else ('yes' if met else 'no')} |")  # fmt: skip
 
     if mpp:
-        m, _ = _mean_std(mpp)
+        m, _ = mean_std(mpp)
         row("MPP fine-tuned, mean of seeds", ">= 93.0", f"{100 * m:.2f}", 100 * m >= 93.0)
     else:
         row("MPP fine-tuned, mean of seeds", ">= 93.0", "pending", None)
     if len(mpp) > 1 and len(scratch) > 1:
-        (m, sm), (s, ss) = _mean_std(mpp), _mean_std(scratch)
+        (m, sm), (s, ss) = mean_std(mpp), mean_std(scratch)
         gap, two_std = 100 * (m - s), 2 * 100 * max(sm, ss)
         row("MPP minus from scratch", ">= +1.0 and > 2 std",
             f"{gap:+.2f} (2 std = {two_std:.2f})", gap >= 1.0 and gap > two_std)  # fmt: skip
     else:
         row("MPP minus from scratch", ">= +1.0 and > 2 std", "pending", None)
     if mpp and sup:
-        gap = 100 * (_mean_std(sup)[0] - _mean_std(mpp)[0])
+        gap = 100 * (mean_std(sup)[0] - mean_std(mpp)[0])
         row("supervised minus MPP, fine-tuned", ">= 0", f"{gap:+.2f}", gap >= 0)
     for run_label, run, eps in pretrainings:
         for what, kind, key, goal in (("kNN (k=20)", "knn", KNN, 87.0),
@@ -134,16 +73,18 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
             row(what, goal_text, f"{text}; random {100 * rand:.1f}",
                 100 * vals[-1] >= goal and above and rising)  # fmt: skip
     single = (("longer schedule", LONG_ARMS[0]), ("at 42 px", HIRES_ARM),
-              ("4x4 patches", P4_ARMS[0]))  # fmt: skip
+              ("4x4 patches", P4_ARMS[0]),
+              ("longer schedule, 2-px shifts", SHIFT_ARMS[0]))  # fmt: skip
     for label, step in single:
         if (top1 := r.selected(step)) is not None:
             row(f"MPP fine-tuned, {label} (1 seed)", ">= 93.0", f"{100 * top1:.2f}",
                 100 * top1 >= 93.0)  # fmt: skip
     # One seed has no error bar of its own: met only if it clears the goal by more than twice
     # the std the 3-seed arms of the shorter budget show.
-    two_std = 2 * 100 * max((_mean_std(a)[1] for a in (mpp, scratch) if len(a) > 1),
+    two_std = 2 * 100 * max((mean_std(a)[1] for a in (mpp, scratch) if len(a) > 1),
                             default=float("inf"))  # fmt: skip
-    for label, (ft, base) in (("longer schedule", LONG_ARMS), ("4x4 patches", P4_ARMS)):
+    for label, (ft, base) in (("longer schedule", LONG_ARMS), ("4x4 patches", P4_ARMS),
+                              ("longer schedule, 2-px shifts", SHIFT_ARMS)):  # fmt: skip
         a, b = r.selected(ft), r.selected(base)
         if a is not None and b is not None:
             gap = 100 * (a - b)
@@ -175,134 +116,6 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
     return lines
 
 
-def _longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
-    """Issue 13 item 2: MPP pretrained and fine-tuned longer against from scratch for the same
-    total epochs, beside the shorter budget's seed 0 (one seed each: no error bar)."""
-    from study import (
-        FINETUNE_EPOCHS,
-        HIRES,
-        LONG_FINETUNE_EPOCHS,
-        LONG_PRETRAIN_EPOCHS,
-        LONG_SNAPSHOTS,
-        PRETRAIN_EPOCHS,
-    )
-
-    lines = ["", "## Longer schedules and the finer grid (single seed)", "",
-             f"MPP pretrained {LONG_PRETRAIN_EPOCHS} epochs (frozen features at "
-             f"{', '.join(map(str, LONG_SNAPSHOTS))} epochs, in the table below), fine-tuned "
-             f"{LONG_FINETUNE_EPOCHS} epochs with lr from the paper's grid on held-out; from "
-             f"scratch for the sum, {LONG_PRETRAIN_EPOCHS + LONG_FINETUNE_EPOCHS} epochs. Seed 0 "
-             "only: read differences against the 3-seed std of the shorter budget above. The "
-             "finer grid (4x4 patches) is the same presets with `model.patch_size=4`.", "",
-             "| budget (pretraining + fine-tuning epochs) | MPP, fine-tuned | from scratch, same "
-             "total | MPP minus from scratch | MPP's lr (chosen on held-out) |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    short = f"{PRETRAIN_EPOCHS} + {FINETUNE_EPOCHS} (seed 0)"
-    long = f"{LONG_PRETRAIN_EPOCHS} + {LONG_FINETUNE_EPOCHS} (seed 0)"
-    budgets = ((short, arms["mpp"][0], arms["scratch"][0]), (long, *LONG_ARMS))
-    for label, ft, scratch in budgets:
-        a, b = r.selected(ft), r.selected(scratch)
-        gap = "-" if a is None or b is None else f"{100 * (a - b):+.2f}"
-        lines.append(f"| {label} | {_pct(a)} | {_pct(b)} | {gap} | {_lr(r, ft)} |")
-    from study import P4_FINETUNE_EPOCHS, P4_PRETRAIN_EPOCHS
-
-    a, b = r.selected(P4_ARMS[0]), r.selected(P4_ARMS[1])
-    gap = "-" if a is None or b is None else f"{100 * (a - b):+.2f}"
-    sweep = r.output(arms["mpp"][0])
-    lr = "pending" if sweep is None else sweep["chosen"]["optim.lr"]
-    lines.append(f"| {P4_PRETRAIN_EPOCHS} + {P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 "
-                 f"tokens, ~3x the compute per image) | {_pct(a)} | {_pct(b)} | {gap} | {lr}, "
-                 "the 16-token sweep's (not swept) |")  # fmt: skip
-    hires = r.output(HIRES_ARM)
-    held = "pending" if hires is None else _pct(hires["selection_best_top1"])
-    lines.append(f"| {long}, fine-tuned at {HIRES} px (6x6 tokens, ~2.4x the fine-tuning "
-                 f"compute; the paper's B.1.1) | {_pct(r.selected(HIRES_ARM))} | - | - | the "
-                 f"28 px sweep's (held-out top-1 {held}) |")  # fmt: skip
-    return lines
-
-
-def _dynamic(r: Results, root: Path, results: Path) -> list[str]:
-    """Dynamic ViT: the operating point chosen on held-out, on test, against the finest stage."""
-    lines = ["", "## Dynamic ViT (issue 15): 2x2, 4x4, 7x7 tokens, fine-tuned from MPP", "",
-             "The operating point is the least compute whose held-out accuracy reaches the finest "
-             "stage's (thresholds chosen on held-out, never on test). Goals: the finest stage's "
-             "accuracy at <= 0.5x its GFLOPs, >= 1.5x its measured images/s (batched early exit).",
-             "", "| cascade | finest stage top-1 | cascade top-1 | GFLOPs / finest | "
-             "images/s / finest |", "|---|---|---|---|---|"]  # fmt: skip
-    for label, name in (("feature + relationship reuse", "cascade"),
-                        ("no feature reuse", "cascade_no_feature_reuse"),
-                        ("no relationship reuse", "cascade_no_relation_reuse")):  # fmt: skip
-        out = r.output(f"{name}/dynamic")
-        if out is None:
-            lines.append(f"| {label} | pending | - | - | - |")
-            continue
-        m = out["metrics"]
-        if "matched_top1" not in m:
-            lines.append(f"| {label} | {_pct(m['finest_top1'])} | no threshold reached the "
-                         "finest stage's held-out accuracy | - | - |")  # fmt: skip
-            continue
-        ratios = f"{m['matched_gflops_ratio']:.2f}x | {m['matched_speedup']:.2f}x"
-        tops = f"{_pct(m['finest_top1'])} | {_pct(m['matched_top1'])}"
-        lines.append(f"| {label} | {tops} | {ratios} |")
-    fig = root / results / "cascade" / "dynamic.accuracy_vs_gflops.png"
-    return lines + figure_lines(fig if fig.is_file() else None,
-                           "Dynamic ViT: accuracy against mean GFLOPs per image", root)  # fmt: skip
-
-
-def _recipes(r: Results) -> list[str]:
-    """Issue 13 item 3: which small-image recipe wins on held-out data."""
-    from study import RECIPE_EPOCHS, RECIPES
-
-    lines = ["", f"## Small-image recipe (from scratch with labels, {RECIPE_EPOCHS} epochs, "
-             "single seed)", "", "Compared on held-out top-1 (the best of the run's "
-             "evaluations); test is only reported. images/s: median of the run's logging "
-             "windows, on the machine above.", "",
-             "| recipe | overrides of the supervised preset | held-out top-1 | test top-1 | "
-             "images/s |", "|---|---|---|---|---|"]  # fmt: skip
-    scored = []
-    for name, overrides in RECIPES.items():
-        out = r.output(name)
-        what = " ".join(f"`{o}`" for o in overrides) or "(the preset)"
-        if out is None:
-            lines.append(f"| {name} | {what} | pending | - | - |")
-            continue
-        rates = [row["train/images_per_s"] for row in r.metric_lines(name)
-                 if "train/images_per_s" in row]  # fmt: skip
-        ips = f"{statistics.median(rates):.0f}" if rates else "-"
-        held = out["selection_best_top1"]
-        scored.append((held, name))
-        lines.append(f"| {name} | {what} | {_pct(held)} | {_pct(out['selected_top1'])} | {ips} |")
-    if scored:
-        lines += ["", f"Best on held-out so far: {max(scored)[1]}."]
-    from study import FINETUNE_RECIPES
-
-    lines += ["", "MPP fine-tuning recipes (seed 0, same budget):", "",
-              "| recipe | overrides of the fine-tuning preset | held-out top-1 | test top-1 |",
-              "|---|---|---|---|"]  # fmt: skip
-    sweep = r.output("ft_mpp_s0")
-    if sweep is not None:
-        lr, held = sweep["chosen"]["optim.lr"], _pct(sweep.get("selection_best_top1"))
-        lines.append(f"| SGD, the sweep's lr | `optim.lr={lr}` | {held} | "
-                     f"{_pct(sweep['selected_top1'])} |")  # fmt: skip
-    for name, overrides in FINETUNE_RECIPES.items():
-        out = r.output(name)
-        what = " ".join(f"`{o}`" for o in overrides)
-        held = "pending" if out is None else _pct(out["selection_best_top1"])
-        test = "-" if out is None else _pct(out["selected_top1"])
-        lines.append(f"| {name} | {what} | {held} | {test} |")
-    return lines
-
-
-def _inspect_figures(root: Path, results: Path) -> list[str]:
-    from study import INSPECT_FIGURES
-
-    lines = []
-    for name in INSPECT_FIGURES:
-        fig = root / results / f"inspect_mpp.{name}"
-        lines += figure_lines(fig if fig.is_file() else None, name.removesuffix(".png"), root)
-    return ["", "## Inspecting the MPP backbone (paper sec. 4.5)", *lines] if lines else []
-
-
 def _augmentation() -> list[str]:
     from study import chosen_augmentation
 
@@ -318,21 +131,6 @@ def _log_figures(study: Path, root: Path, figures: list[Path]) -> None:
         runs.log_artifacts("mpp", figures)
 
 
-def _steps_table(r: Results, plan: list) -> list[str]:
-    lines = ["", "## Every step", "", "| step | command | MLflow run | wall time |",
-             "|---|---|---|---|"]  # fmt: skip
-    for step in plan:
-        res = r.get(step.name)
-        if res is None:
-            lines.append(f"| {step.name} | pending | - | - |")
-            continue
-        secs = res.get("seconds")
-        wall = "-" if secs is None else f"{secs / 60:.1f} min"
-        lines.append(f"| {step.name} | `{res['command']}` | {res.get('mlflow_run_id') or '-'} "
-                     f"| {wall} |")  # fmt: skip
-    return lines
-
-
 def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  epochs: tuple[int, ...], seeds: tuple[int, ...]) -> None:  # fmt: skip
     from study import LONG_PRETRAIN_EPOCHS, LONG_SNAPSHOTS, P4_PRETRAIN_EPOCHS, P4_SNAPSHOTS
@@ -342,7 +140,9 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
     pretrainings = [(f"{epochs[-1]}-epoch run", "mpp", epochs),
                     (f"{LONG_PRETRAIN_EPOCHS}-epoch run", "mpp_long", LONG_SNAPSHOTS),
                     (f"{P4_PRETRAIN_EPOCHS}-epoch run, 4x4 patches", "mpp_p4",
-                     P4_SNAPSHOTS)]  # fmt: skip
+                     P4_SNAPSHOTS),
+                    (f"{LONG_PRETRAIN_EPOCHS}-epoch run, 2-px shifts", "mpp_long_shift",
+                     LONG_SNAPSHOTS[-1:])]  # fmt: skip
     arms = {
         "mpp": [f"ft_mpp_s{s}" for s in seeds],
         "supervised": [f"ft_supervised_s{s}" for s in seeds],
@@ -370,16 +170,16 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
         "",
         "| method | fine-tuned test top-1, mean ± std | per seed | lr (chosen on held-out) |",
         "|---|---|---|---|",
-        _arm_row(r, "MPP (50% corrupted, 3-bit mean colour), fine-tuned", arms["mpp"],
-                 _lr(r, arms["mpp"][0])),
-        _arm_row(r, "supervised pretraining, fine-tuned", arms["supervised"],
-                 _lr(r, arms["supervised"][0])),
-        _arm_row(r, "from scratch (labels only, same total epochs)", arms["scratch"],
+        arm_row(r, "MPP (50% corrupted, 3-bit mean colour), fine-tuned", arms["mpp"],
+                 lr_text(r, arms["mpp"][0])),
+        arm_row(r, "supervised pretraining, fine-tuned", arms["supervised"],
+                 lr_text(r, arms["supervised"][0])),
+        arm_row(r, "from scratch (labels only, same total epochs)", arms["scratch"],
                  "1e-3 (the supervised preset's; not swept)"),
-        _arm_row(r, "MLP-Mixer (D 128, 9 blocks), MPP, fine-tuned (1 seed)", ["ft_mixer_s0"],
-                 _lr(r, "ft_mixer_s0")),
+        arm_row(r, "MLP-Mixer (D 128, 9 blocks), MPP, fine-tuned (1 seed)", ["ft_mixer_s0"],
+                 lr_text(r, "ft_mixer_s0")),
     ]  # fmt: skip
-    lines += _longer_schedule(r, arms)
+    lines += longer_schedule(r, arms)
     lines += [
         "",
         "## Frozen features",
@@ -394,12 +194,14 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  for e in eps]  # fmt: skip
     rows += [(f"supervised after {epochs[-1]} epochs", f"supervised_e{epochs[-1]}")]
     for label, ev in rows:
-        knn, probe = _pct(r.metric(ev, "knn", KNN)), _pct(r.metric(ev, "probe", PROBE))
-        lines.append(f"| {label} | {knn} | {probe} | {_fewshot(r, ev)} |")
+        knn, probe = pct(r.metric(ev, "knn", KNN)), pct(r.metric(ev, "probe", PROBE))
+        lines.append(f"| {label} | {knn} | {probe} | {fewshot(r, ev)} |")
     trainings = [("MPP, fine-tuned, longer schedule", LONG_ARMS[0]),
                  ("from scratch, longer schedule", LONG_ARMS[1]),
                  ("MPP, fine-tuned, 4x4 patches", P4_ARMS[0]),
-                 ("from scratch, 4x4 patches", P4_ARMS[1])]  # fmt: skip
+                 ("from scratch, 4x4 patches", P4_ARMS[1]),
+                 ("MPP, fine-tuned, longer schedule, 2-px shifts", SHIFT_ARMS[0]),
+                 ("from scratch, longer schedule, 2-px shifts", SHIFT_ARMS[1])]  # fmt: skip
     figures = [
         curve_figure(r, root / results / "pretraining_curve.png", pretrainings),
         loss_figure(r, root / results / "finetune_loss.png",
@@ -423,11 +225,11 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
         "|---|---|---|---|",
     ]
     for label, ev in ablations:
-        lines.append(f"| {label} | {_pct(r.metric(ev, 'knn', KNN))} | "
-                     f"{_pct(r.metric(ev, 'probe', PROBE))} | {_fewshot(r, ev)} |")  # fmt: skip
-    lines += _recipes(r)
-    lines += _dynamic(r, root, results)
-    lines += _inspect_figures(root, results)
+        lines.append(f"| {label} | {pct(r.metric(ev, 'knn', KNN))} | "
+                     f"{pct(r.metric(ev, 'probe', PROBE))} | {fewshot(r, ev)} |")  # fmt: skip
+    lines += recipes(r)
+    lines += dynamic(r, root, results)
+    lines += inspect_figures(root, results)
     lines += _goals(r, arms, pretrainings)
     lines += reading(r, arms, pretrainings, trainings, pretrainings[:2])
     lines += ["", "## Reference points (Fashion-MNIST README)", "", "| model | test accuracy |",
@@ -438,6 +240,6 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
     import study_mlflow
 
     lines += study_mlflow.report_lines(root / study)
-    lines += _steps_table(r, plan)
+    lines += steps_table(r, plan)
     out.write_text("\n".join(lines) + "\n")
     _log_figures(study, root, [f for f in figures if f is not None])

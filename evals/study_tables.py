@@ -1,0 +1,170 @@
+"""The tables of RESULTS.md beyond the main comparison: the longer schedules and the finer grid,
+the small-image recipes, Dynamic ViT, the inspection figures and every step's command."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from study_figures import figure_lines
+from study_results import Results, lr_text, pct
+
+LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two trainings (plan)
+HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
+P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid's two trainings (plan)
+SHIFT_ARMS = ("ft_mpp_long_shift_s0", "scratch_long_shift_s0")  # the longer schedule, 2-px shifts
+
+
+def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
+    """Issue 13 item 2: MPP pretrained and fine-tuned longer against from scratch for the same
+    total epochs, beside the shorter budget's seed 0 (one seed each: no error bar)."""
+    from study import (
+        FINETUNE_EPOCHS,
+        HIRES,
+        LONG_FINETUNE_EPOCHS,
+        LONG_PRETRAIN_EPOCHS,
+        LONG_SNAPSHOTS,
+        PRETRAIN_EPOCHS,
+    )
+
+    lines = ["", "## Longer schedules and the finer grid (single seed)", "",
+             f"MPP pretrained {LONG_PRETRAIN_EPOCHS} epochs (frozen features at "
+             f"{', '.join(map(str, LONG_SNAPSHOTS))} epochs, in the table below), fine-tuned "
+             f"{LONG_FINETUNE_EPOCHS} epochs with lr from the paper's grid on held-out; from "
+             f"scratch for the sum, {LONG_PRETRAIN_EPOCHS + LONG_FINETUNE_EPOCHS} epochs. Seed 0 "
+             "only: read differences against the 3-seed std of the shorter budget above. The "
+             "finer grid (4x4 patches) is the same presets with `model.patch_size=4`; the "
+             "shifted runs add `data.translate=2` (a random shift of up to 2 px per axis, "
+             "zero-filled) to the flips in pretraining, fine-tuning and from scratch alike.", "",
+             "| budget (pretraining + fine-tuning epochs) | MPP, fine-tuned | from scratch, same "
+             "total | MPP minus from scratch | MPP's lr (chosen on held-out) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    short = f"{PRETRAIN_EPOCHS} + {FINETUNE_EPOCHS} (seed 0)"
+    long = f"{LONG_PRETRAIN_EPOCHS} + {LONG_FINETUNE_EPOCHS} (seed 0)"
+    budgets = ((short, arms["mpp"][0], arms["scratch"][0]), (long, *LONG_ARMS))
+    for label, ft, scratch in budgets:
+        lines.append(f"| {label} | {_pair(r, ft, scratch)} | {lr_text(r, ft)} |")
+    from study import P4_FINETUNE_EPOCHS, P4_PRETRAIN_EPOCHS, SHIFT
+
+    lines.append(f"| {P4_PRETRAIN_EPOCHS} + {P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 "
+                 f"tokens, ~3x the compute per image) | {_pair(r, *P4_ARMS)} | "
+                 f"{_chosen(r, arms['mpp'][0])}, the 16-token sweep's (not swept) |")  # fmt: skip
+    shift = " ".join(f"`{o}`" for o in SHIFT)
+    lines.append(f"| {long}, random shifts of up to 2 px in every run ({shift}) | "
+                 f"{_pair(r, *SHIFT_ARMS)} | {_chosen(r, LONG_ARMS[0])}, the flips-only "
+                 f"{long} sweep's (not swept) |")  # fmt: skip
+    hires = r.output(HIRES_ARM)
+    held = "pending" if hires is None else pct(hires["selection_best_top1"])
+    lines.append(f"| {long}, fine-tuned at {HIRES} px (6x6 tokens, ~2.4x the fine-tuning "
+                 f"compute; the paper's B.1.1) | {pct(r.selected(HIRES_ARM))} | - | - | the "
+                 f"28 px sweep's (held-out top-1 {held}) |")  # fmt: skip
+    return lines
+
+
+def _pair(r: Results, finetune: str, scratch: str) -> str:
+    """'MPP | from scratch | MPP minus from scratch' cells of one budget."""
+    a, b = r.selected(finetune), r.selected(scratch)
+    gap = "-" if a is None or b is None else f"{100 * (a - b):+.2f}"
+    return f"{pct(a)} | {pct(b)} | {gap}"
+
+
+def _chosen(r: Results, sweep: str) -> str:
+    out = r.output(sweep)
+    return "pending" if out is None else str(out["chosen"]["optim.lr"])
+
+
+def dynamic(r: Results, root: Path, results: Path) -> list[str]:
+    """Dynamic ViT: the operating point chosen on held-out, on test, against the finest stage."""
+    lines = ["", "## Dynamic ViT (issue 15): 2x2, 4x4, 7x7 tokens, fine-tuned from MPP", "",
+             "The operating point is the least compute whose held-out accuracy reaches the finest "
+             "stage's (thresholds chosen on held-out, never on test). Goals: the finest stage's "
+             "accuracy at <= 0.5x its GFLOPs, >= 1.5x its measured images/s (batched early exit).",
+             "", "| cascade | finest stage top-1 | cascade top-1 | GFLOPs / finest | "
+             "images/s / finest |", "|---|---|---|---|---|"]  # fmt: skip
+    for label, name in (("feature + relationship reuse", "cascade"),
+                        ("no feature reuse", "cascade_no_feature_reuse"),
+                        ("no relationship reuse", "cascade_no_relation_reuse")):  # fmt: skip
+        out = r.output(f"{name}/dynamic")
+        if out is None:
+            lines.append(f"| {label} | pending | - | - | - |")
+            continue
+        m = out["metrics"]
+        if "matched_top1" not in m:
+            lines.append(f"| {label} | {pct(m['finest_top1'])} | no threshold reached the "
+                         "finest stage's held-out accuracy | - | - |")  # fmt: skip
+            continue
+        ratios = f"{m['matched_gflops_ratio']:.2f}x | {m['matched_speedup']:.2f}x"
+        tops = f"{pct(m['finest_top1'])} | {pct(m['matched_top1'])}"
+        lines.append(f"| {label} | {tops} | {ratios} |")
+    fig = root / results / "cascade" / "dynamic.accuracy_vs_gflops.png"
+    return lines + figure_lines(fig if fig.is_file() else None,
+                           "Dynamic ViT: accuracy against mean GFLOPs per image", root)  # fmt: skip
+
+
+def recipes(r: Results) -> list[str]:
+    """Issue 13 item 3: which small-image recipe wins on held-out data."""
+    from study import RECIPE_EPOCHS, RECIPES
+
+    lines = ["", f"## Small-image recipe (from scratch with labels, {RECIPE_EPOCHS} epochs, "
+             "single seed)", "", "Compared on held-out top-1 (the best of the run's "
+             "evaluations); test is only reported. images/s: median of the run's logging "
+             "windows, on the machine above.", "",
+             "| recipe | overrides of the supervised preset | held-out top-1 | test top-1 | "
+             "images/s |", "|---|---|---|---|---|"]  # fmt: skip
+    scored = []
+    for name, overrides in RECIPES.items():
+        out = r.output(name)
+        what = " ".join(f"`{o}`" for o in overrides) or "(the preset)"
+        if out is None:
+            lines.append(f"| {name} | {what} | pending | - | - |")
+            continue
+        rates = [row["train/images_per_s"] for row in r.metric_lines(name)
+                 if "train/images_per_s" in row]  # fmt: skip
+        ips = f"{statistics.median(rates):.0f}" if rates else "-"
+        held = out["selection_best_top1"]
+        scored.append((held, name))
+        lines.append(f"| {name} | {what} | {pct(held)} | {pct(out['selected_top1'])} | {ips} |")
+    if scored:
+        lines += ["", f"Best on held-out so far: {max(scored)[1]}."]
+    from study import FINETUNE_RECIPES
+
+    lines += ["", "MPP fine-tuning recipes (seed 0, same budget):", "",
+              "| recipe | overrides of the fine-tuning preset | held-out top-1 | test top-1 |",
+              "|---|---|---|---|"]  # fmt: skip
+    sweep = r.output("ft_mpp_s0")
+    if sweep is not None:
+        lr, held = sweep["chosen"]["optim.lr"], pct(sweep.get("selection_best_top1"))
+        lines.append(f"| SGD, the sweep's lr | `optim.lr={lr}` | {held} | "
+                     f"{pct(sweep['selected_top1'])} |")  # fmt: skip
+    for name, overrides in FINETUNE_RECIPES.items():
+        out = r.output(name)
+        what = " ".join(f"`{o}`" for o in overrides)
+        held = "pending" if out is None else pct(out["selection_best_top1"])
+        test = "-" if out is None else pct(out["selected_top1"])
+        lines.append(f"| {name} | {what} | {held} | {test} |")
+    return lines
+
+
+def inspect_figures(root: Path, results: Path) -> list[str]:
+    from study import INSPECT_FIGURES
+
+    lines = []
+    for name in INSPECT_FIGURES:
+        fig = root / results / f"inspect_mpp.{name}"
+        lines += figure_lines(fig if fig.is_file() else None, name.removesuffix(".png"), root)
+    return ["", "## Inspecting the MPP backbone (paper sec. 4.5)", *lines] if lines else []
+
+
+def steps_table(r: Results, plan: list) -> list[str]:
+    lines = ["", "## Every step", "", "| step | command | MLflow run | wall time |",
+             "|---|---|---|---|"]  # fmt: skip
+    for step in plan:
+        res = r.get(step.name)
+        if res is None:
+            lines.append(f"| {step.name} | pending | - | - |")
+            continue
+        secs = res.get("seconds")
+        wall = "-" if secs is None else f"{secs / 60:.1f} min"
+        lines.append(f"| {step.name} | `{res['command']}` | {res.get('mlflow_run_id') or '-'} "
+                     f"| {wall} |")  # fmt: skip
+    return lines
