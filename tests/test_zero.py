@@ -80,9 +80,16 @@ def launch(shards: Path, run_dir: Path, db: Path, stage: int, ranks: int = 2) ->
     ]  # fmt: skip
 
 
+def shm_left_by(cmd: list[str]) -> list[Path]:
+    """DeepSpeed's CPU shared-memory workspaces of this launch still in /dev/shm (RAM)."""
+    port = cmd[cmd.index("--master_port") + 1]
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert shm_left_by(cmd) == []  # 66 MB of RAM per rank, until reboot
     return proc
 
 
@@ -101,6 +108,7 @@ def kill_after_checkpoint(cmd: list[str], run_dir: Path, at: str) -> str:
     assert proc.poll() is None, "training ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert shm_left_by(cmd) == []  # gone even when the run is killed
     return latest.read_text().strip()
 
 
