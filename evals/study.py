@@ -362,6 +362,16 @@ def plan() -> list[Step]:
         ),  # fmt: skip
         _finetune("mpp_long_shift", SEEDS[0], LONG_FINETUNE_EPOCHS, "ft_mpp_long_s0", *SHIFT),
         *_snapshot_evals("mpp_long_shift", LONG_SNAPSHOTS[-1:]),
+        # Error bars for the longer schedule: seeds 1 and 2 of its fine-tune (the lr seed 0's
+        # sweep chose) and of from scratch, a pair at a time.
+        *(
+            step
+            for seed in SEEDS[1:]
+            for step in (
+                _finetune("mpp_long", seed, LONG_FINETUNE_EPOCHS),
+                _scratch(seed, LONG_SCRATCH_EPOCHS, "scratch_long"),
+            )
+        ),  # fmt: skip
     ]
 
 

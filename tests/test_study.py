@@ -185,12 +185,25 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     assert "| 16 + 4 (seed 0) | 90.5 | 89.0 | +1.50 | 0.01 (held-out" in text
     assert "| MPP fine-tuned, longer schedule (1 seed) | >= 93.0 | 90.50 | no |" in text
     # +1.50 clears +1.0 but not twice the shorter budget's largest std (2 x 2.00)
-    assert "| +1.50 (2 std = 4.00) | no |" in text
+    assert ("longer schedule (1 seed) | >= +1.0 and > 2 std (the shorter budget's) | +1.50 "
+            "(2 std = 4.00) | no |") in text  # fmt: skip
     assert "2 ep 72.0, 4 ep 78.0, 8 ep 84.0, 16 ep 86.0; random 60.0 | no |" in text
     assert ("- MPP frozen kNN (k=20) at the end of each run: 85.0 after 6 epochs, 86.0 after 16 "
             "(+1.0 points for 2.7x the pretraining).") in text  # fmt: skip
     assert (res / "pretraining_curve.png").stat().st_size > 1000
     assert "](results/study/pretraining_curve.png)" in text
+    # Seeds 1 and 2 of the longer schedule: its rows in the main table, and its gap judged by
+    # its own spread.
+    for seed, (ft, base) in enumerate(((0.915, 0.895), (0.91, 0.885)), start=1):
+        _write(res, f"ft_mpp_long_s{seed}", {"selected_top1": ft})
+        _write(res, f"scratch_long_s{seed}", {"selected_top1": base})
+    study_report.write_report([], Path("results/study"), out, "budget", Path("runs/study"),
+                              (1, 2, 4, 6), (0, 1, 2))  # fmt: skip
+    text = out.read_text()
+    assert "epochs, fine-tuned | 91.00 ± 0.50 (n=3) | 90.50, 91.50, 91.00 | 0.01" in text
+    assert "| MPP fine-tuned, longer schedule (3 seeds) | >= 93.0 | 91.00 | no |" in text
+    assert ("| MPP minus from scratch, longer schedule (3 seeds) | >= +1.0 and > 2 std | "
+            "+2.00 (2 std = 1.00) | yes |") in text  # fmt: skip
 
 
 def test_reading_a_run_curve():
