@@ -133,7 +133,7 @@ def _log_figures(study: Path, root: Path, figures: list[Path]) -> None:
     """The figures on the MPP parent run of the study in MLflow (best effort: store down)."""
     import study_mlflow
 
-    runs = study_mlflow.parents(study, root)
+    runs = study_mlflow.parents(root / study, root)  # the study's own folder, not the cwd's
     if figures and runs.run_id("mpp", tags={"ssl_vit.study": study_mlflow.EXPERIMENT}):
         runs.log_artifacts("mpp", figures)
 

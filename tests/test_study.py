@@ -192,6 +192,8 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
             "(+1.0 points for 2.7x the pretraining).") in text  # fmt: skip
     assert (res / "pretraining_curve.png").stat().st_size > 1000
     assert "](results/study/pretraining_curve.png)" in text
+    # The figures went to the MPP parent run of this study's folder (not the cwd's).
+    assert "mpp" in json.loads((tmp_path / "runs/study/mlflow_parents.json").read_text())
     # Seeds 1 and 2 of the longer schedule: its rows in the main table, and its gap judged by
     # its own spread.
     for seed, (ft, base) in enumerate(((0.915, 0.895), (0.91, 0.885)), start=1):
