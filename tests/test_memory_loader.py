@@ -17,6 +17,7 @@ from ssl_vit.data.holdout import held_out_indices
 from ssl_vit.data.manifest import load_manifest
 from ssl_vit.data.memory import resolve_in_memory
 from ssl_vit.data.stream import make_eval_loader, make_train_loader
+from ssl_vit.data.workers import IN_TRAINING_START
 
 
 def _loader(root: Path, **kw) -> memory.MemoryTrainLoader:
@@ -105,6 +106,23 @@ def test_shifts_are_the_streaming_loaders_within_the_bound():
                     if np.array_equal(shift_image(src, dy, dx), im[0].numpy())), None)
               for im in x]  # fmt: skip
     assert None not in shifts and len(set(shifts)) > 12
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_workers_from_the_training_start_method_give_the_same_batches(
+    tmp_path, monkeypatch, in_memory
+):
+    """What a training run uses (IN_TRAINING_START: a fork server, never a fork of the threaded
+    trainer) yields exactly what forked workers yield, streamed or decoded into RAM."""
+    monkeypatch.setattr(memory, "IN_PROCESS_SAMPLES", 0)  # decode with workers all the same
+    root = make_set(tmp_path, [30, 30], size=12, corrupt_image=(7,))
+    kw = dict(img_size=8, scale=(0.3, 1.0), global_batch=8, translate=1, in_memory=in_memory)
+    if not in_memory:
+        kw.update(in_memory=False, shuffle_buffer=20, timeout=60)
+    got = _epoch(_loader(root, multiprocessing_context=IN_TRAINING_START, **kw))
+    want = _epoch(_loader(root, multiprocessing_context="fork", **kw))
+    assert IN_TRAINING_START == "forkserver"  # Linux has it
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_corrupt_samples_are_dropped_and_counted(tmp_path):

@@ -41,6 +41,7 @@ from .datasets import EvalStream
 from .holdout import held_out_indices
 from .manifest import Manifest
 from .shards import ShardRef, SkipCounter
+from .workers import IN_PROCESS_SAMPLES
 
 log = logging.getLogger("ssl_vit.data")
 MEMORY_BUDGET = 2 << 30  # bytes of decoded images per rank that `auto` holds in RAM
@@ -75,7 +76,12 @@ def resolve_in_memory(setting: Any, manifest: Manifest, split: str) -> tuple[boo
 
 
 def _decode_split(
-    manifest: Manifest, split: str, shards: list[ShardRef], workers: int, counter: SkipCounter
+    manifest: Manifest,
+    split: str,
+    shards: list[ShardRef],
+    workers: int,
+    counter: SkipCounter,
+    ctx: mp.context.BaseContext,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(images (N, C, H, W) uint8, labels (N,), manifest indices (N,)) of every readable
     sample of `shards`."""
@@ -89,11 +95,11 @@ def _decode_split(
     images = torch.empty((n, manifest.channels, h, w), dtype=torch.uint8)
     labels = torch.empty(n, dtype=torch.int64)
     index = torch.empty(n, dtype=torch.int64)
-    ctx = mp.get_context() if workers > 0 else None
     got = 0
     for imgs, labs, idx in DataLoader(
-        stream, batch_size=None, num_workers=workers, multiprocessing_context=ctx
-    ):
+        stream, batch_size=None, num_workers=workers,
+        multiprocessing_context=ctx if workers > 0 else None,
+    ):  # fmt: skip
         if imgs.shape[2:] != (h, w):
             raise ValueError(
                 f"{manifest.root}: a {split} image is {tuple(imgs.shape[2:])}, not the "
@@ -223,14 +229,17 @@ def load_training_samples(
     num_workers: int,
     holdout_fraction: float,
     counter: SkipCounter,
+    ctx: mp.context.BaseContext,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(images (N, C, H, W) uint8, labels (N,)) of the split's readable, not held-out samples,
-    decoded by `num_workers` workers; make_train_loader(in_memory=True) batches them."""
+    decoded by `num_workers` workers started from `ctx`; make_train_loader(in_memory=True)
+    batches them."""
     resolve_in_memory(True, manifest, split)  # one size of image, or a one-line error
     start = time.perf_counter()
-    images, labels, index = _decode_split(manifest, split, shards, num_workers, counter)
-    # The held-out hash ranges over the shards present, as the streaming loaders number them.
     total = sum(r.num_samples for r in shards)
+    workers = num_workers if total > IN_PROCESS_SAMPLES else 0  # ssl_vit.data.workers
+    images, labels, index = _decode_split(manifest, split, shards, workers, counter, ctx)
+    # The held-out hash ranges over the shards present, as the streaming loaders number them.
     keep = ~torch.isin(index, torch.from_numpy(held_out_indices(total, holdout_fraction)))
     images, labels = images[keep].contiguous(), labels[keep].contiguous()
     secs = time.perf_counter() - start

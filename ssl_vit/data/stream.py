@@ -56,7 +56,6 @@ corrupt sample is dropped and counted). `with_keys=True` adds the sample keys as
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -69,6 +68,7 @@ from .holdout import held_out_indices
 from .manifest import Manifest, load_manifest
 from .memory import MemoryTrainLoader, load_training_samples
 from .shards import SkipCounter, select_shards
+from .workers import worker_context
 
 
 class ShardLoader:
@@ -168,7 +168,7 @@ def _common(root: str | Path, split: str, num_workers: int, ctx: str | None, mis
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     manifest = load_manifest(root)
     shards = select_shards(manifest, split, missing)  # type: ignore[arg-type]
-    mp_ctx = mp.get_context(ctx)
+    mp_ctx = worker_context(ctx)
     return manifest, shards, mp_ctx, SkipCounter(mp_ctx)
 
 
@@ -215,7 +215,7 @@ def make_train_loader(
     )
     if in_memory:
         images, labels = load_training_samples(
-            manifest, split, shards, num_workers, holdout_fraction, counter
+            manifest, split, shards, num_workers, holdout_fraction, counter, ctx
         )
         num_samples = len(images)
     else:

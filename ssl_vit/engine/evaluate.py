@@ -16,13 +16,13 @@ from ssl_vit.config import Config, MonitorConfig, holdout_fraction
 from ssl_vit.data.holdout import HOLDOUT_SPLIT
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.stream import make_eval_loader
+from ssl_vit.data.workers import IN_PROCESS_SAMPLES, IN_TRAINING_START
 from ssl_vit.engine import zero
 from ssl_vit.engine.build import ModelSpec, classifier_of
 from ssl_vit.engine.distributed import all_reduce_sum, barrier
 from ssl_vit.features import EvalBackbone, extract_features
 from ssl_vit.io import atomic_write_text
 
-IN_PROCESS_EVAL = 20_000  # samples of a split that in-training evaluation decodes in-process
 log = logging.getLogger("ssl_vit.train")
 
 
@@ -48,6 +48,7 @@ def classifier_accuracy(
     loader = make_eval_loader(
         root, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
         rank=rank, world_size=world, holdout_fraction=holdout_fraction,
+        multiprocessing_context=IN_TRAINING_START,  # never a fork of the threaded trainer
     )  # fmt: skip
     counts = torch.zeros(2, device=device)  # (correct, seen)
     batches: Iterable = ((b, True) for b in loader)
@@ -164,10 +165,9 @@ class InTrainingEvals:
     def _accuracy(self, classifier: nn.Module, split: str) -> float:
         held = split == HOLDOUT_SPLIT
         name = self.cfg.data.split if held else split
-        # A split this small decodes in well under a second here, so no worker is forked: a
-        # fork of the training process, whose tracking and collective threads run, once left a
-        # worker waiting forever on a lock inside os.fork (a ZeRO-3 test run that never ended).
-        small = self.manifest.split(name).num_samples <= IN_PROCESS_EVAL
+        # ssl_vit.data.workers: a small split in-process, a larger one with workers from a fork
+        # server (IN_TRAINING_START), never forked from this threaded process.
+        small = self.manifest.split(name).num_samples <= IN_PROCESS_SAMPLES
         return classifier_accuracy(
             classifier, self.cfg.data.root, name,
             img_size=self.img_size, batch_size=256, rank=self.rank, world=self.world,

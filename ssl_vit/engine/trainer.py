@@ -32,6 +32,7 @@ from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, s
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
 from ssl_vit.data.stream import TrainLoader, make_train_loader
+from ssl_vit.data.workers import IN_TRAINING_START
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
 from ssl_vit.engine.compile import compile_blocks, eager, resolve_compile, start_trial
@@ -172,7 +173,7 @@ def _setup(cfg: Config, header: str) -> _Setup:
         seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
         hflip=cfg.data.hflip, translate=cfg.data.translate, missing=cfg.data.missing_shards,
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
-        in_memory=in_ram,
+        in_memory=in_ram, multiprocessing_context=IN_TRAINING_START,
     )  # fmt: skip
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * loader.steps_per_epoch)
     flops = 0.0
