@@ -74,7 +74,9 @@ def report_lines(study: Path) -> list[str]:
     lines = ["", "## In MLflow", "",
              f"Each method is a parent run in experiment `{EXPERIMENT}` with its pretraining, "
              "evaluations and fine-tuning nested under it, and its headline numbers logged on "
-             f"it: `mlflow ui --backend-store-uri {uri}`, select the parents, Compare.", "",
+             f"it: `mlflow ui --backend-store-uri {uri}`, select the parents, Compare. These are "
+             "the parents in the store of the machine that last ran the study (stores stay on "
+             "their machine); every step's own run id is in the step table below.", "",
              "| method | parent run |", "|---|---|"]  # fmt: skip
     for method, p in parents.items():
         link = run_link(uri, p["experiment_id"], p["run_id"])
