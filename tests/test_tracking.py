@@ -53,6 +53,11 @@ def test_sqlite_store_and_resume_without_duplicates(
         for step in range(10):
             first.log_metrics({"loss": 10.0 - step, "lr": 0.1}, step=step)
         first.log_metrics({"loss": 99.0}, step=3)  # an old step in the same process: dropped
+        # What a checkpoint waits for: every queued point in the store before the run ends.
+        assert first.wait_sent()
+        assert _steps(MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}"), run_id, "loss") == list(
+            range(10)
+        )
         first.log_artifact(tmp_path / "config.yaml", artifact_path="config")
         first.set_tags({"note": "hello"})
         time.sleep(1.0)  # a few system-metric samples
@@ -107,6 +112,9 @@ def test_server_outage_spools_and_recovers(
         tracker.log_params({"a": {"b": 1}})
         for step in range(5):
             tracker.log_metrics({"loss": float(step)}, step=step)
+        assert tracker.wait_sent()  # with the store down: every point in the spool on disk
+        spooled = "".join(p.read_text() for p in spool.glob("*.jsonl"))
+        assert all(f'"loss", {step}.0' in spooled for step in range(5)), spooled[-500:]
 
         # 2. The server comes up: the run is created and the spooled steps arrive.
         server.start()

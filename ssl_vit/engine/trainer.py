@@ -259,7 +259,8 @@ def _batches(
         loader.set_epoch(n.step // loader.steps_per_epoch)
 
 
-def _save_checkpoint(s: _Setup, n: Counters, evals: InTrainingEvals) -> None:
+def _save_checkpoint(s: _Setup, n: Counters, evals: InTrainingEvals, tracker: Tracker) -> None:
+    tracker.wait_sent()  # the metrics up to this step outlive a kill right after it (rank 0)
     state = {
         **n.state(),
         "world_size": s.world,
@@ -311,7 +312,7 @@ def train(cfg: Config, header: str = "") -> Path:
             with evaluating():
                 evals.maybe_run(s.engine.module, n.step, tracker)
             if n.step % cfg.run.checkpoint_every == 0 or n.step == s.total_steps:
-                _save_checkpoint(s, n, evals)
+                _save_checkpoint(s, n, evals, tracker)
             _export_snapshot(s, tracker, n.step)
             if trial and (measured := trial.after_step(n.step)) and s.rank == 0:
                 tracker.log_metrics(measured, step=n.step)

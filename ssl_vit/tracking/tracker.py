@@ -9,6 +9,7 @@ Public API:
     tracker.log_metrics({"loss": 1.2}, step=100)      # floats or 0-d tensors
     tracker.log_artifact("run/config.yaml", artifact_path="config")   # a file or a folder
     tracker.set_tags({"stage": "pretrain"})
+    tracker.wait_sent()                  # before a checkpoint: what came before it is on record
     tracker.close("FINISHED")            # or FAILED / KILLED; also a context manager
 
     python -m ssl_vit.tracking replay SPOOL_DIR [--tracking-uri URI]
@@ -162,6 +163,18 @@ class Tracker:
             ev = {"type": "artifact", "path": str(Path(path).resolve())}
             self._queue.put({**ev, "artifact_path": artifact_path})
 
+    def wait_sent(self, timeout: float = 5.0) -> bool:
+        """Wait (at most `timeout` s) until every event queued so far is in the store or in the
+        spool on disk. A trainer calls it before writing a checkpoint: a run killed right after
+        the checkpoint then resumes from it with every earlier metric on record; without it the
+        killed process took the last queued points with it, and the resumed run, which starts
+        after the checkpoint's step, never logged them again. True when it got there in time."""
+        if not self.enabled or not self._thread.is_alive():
+            return True
+        sent = threading.Event()
+        self._queue.put({"type": "mark", "sent": sent})
+        return sent.wait(timeout)
+
     def close(self, status: str = "FINISHED", timeout: float = 15.0) -> None:
         """End the run; wait at most `timeout` s for the queue, then spool what is left."""
         if not self.enabled or not self._thread.is_alive():
@@ -175,7 +188,7 @@ class Tracker:
         if self._thread.is_alive():  # stuck on a slow store: keep the rest on disk
             self._abandon = True
             left = self._drain()
-            self._spool.append(ev for ev in left if ev is not _STOP)
+            self._spool.append(ev for ev in left if ev is not _STOP and ev["type"] != "mark")
         if self._spool.path.exists():
             log.warning(
                 "MLflow store %s unreachable: events kept in %s; push them with "
@@ -243,6 +256,9 @@ class Tracker:
                 self._handle(e)
 
     def _handle(self, ev: dict) -> None:
+        if ev["type"] == "mark":  # every event queued before it has been sent or spooled
+            ev["sent"].set()
+            return
         if self._online and not self._abandon and self._run_id is not None:
             try:
                 send_or_raise(self._store, self._run_id, ev, self._spool.reject)
