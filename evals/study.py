@@ -64,6 +64,10 @@ P4_SCRATCH_EPOCHS = P4_PRETRAIN_EPOCHS + P4_FINETUNE_EPOCHS
 # and 89.5% test accuracy: overfitting that a 28-px image's natural jitter may cure. Tried at
 # the longer schedule, where the overfitting is, single seed.
 SHIFT = ["data.translate=2"]
+# The paper's hybrid (sec. 3.1, "R+ViT-Ti/S16" of timm) sized to the same 16 tokens: images
+# resized to 32 px, the ResNet stem's 8x8 map cut into 2x2 patches. Each token then sees an
+# 8-px cell through overlapping 7x7 convolutions: the locality a plain 7x7 projection lacks.
+HYBRID = ["model.arch=vit_tiny_r_s16_p8_224", "model.img_size=32", "model.patch_size=2"]
 FINETUNE = [  # 28 px: the pretraining resolution (16 tokens), for the budget
     "model.img_size=28", f"train.epochs={FINETUNE_EPOCHS}", "optim.warmup_steps=100",
     "run.eval_every=235",  # 4 held-out evaluations per run to choose among
@@ -211,6 +215,9 @@ RECIPES = {  # name -> overrides of the supervised preset; compared on held-out 
     "recipe_p7_d192": ["model.kwargs={embed_dim: 192, depth: 6, num_heads: 4}"],
     "recipe_p7_lr5e-4": ["optim.lr=5e-4"],
     "recipe_p7_shift2": SHIFT,
+    # The paper's hybrid (sec. 3.1): timm's ResNet stem (7x7 conv, stride 2, max-pool, stride
+    # 2) at 32 px gives an 8x8 map, 2x2 "patches" of it the same 4x4 grid of 16 tokens
+    "recipe_hybrid32": HYBRID,
 }
 RECIPE_EPOCHS = 2
 AUGMENTATIONS = ("recipe_p7", "recipe_p7_flip", "recipe_p7_crop0.7")  # the crop, compared

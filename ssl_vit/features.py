@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from safetensors.numpy import load_file, save
 from tqdm.auto import tqdm
 
+from ssl_vit import readout
 from ssl_vit.data.manifest import MANIFEST_NAME, load_manifest
 from ssl_vit.io import atomic_write_bytes, sha256_file
+from ssl_vit.readout import POOLS, readout_name
 
 log = logging.getLogger(__name__)
 
-POOLS = ("auto", "cls", "mean", "lastn")
 # Objectives whose loss reaches the [class] token. MPP's loss sits on the corrupted patch tokens
 # only (paper sec. 4.6), so after MPP the [class] output is never trained and "auto" pools the
 # patch tokens instead.
@@ -162,78 +163,77 @@ def random_backbone(
     return EvalBackbone(model.eval(), meta, ident, size, chans, f"random:{arch}")
 
 
-def _last_n_cls(model: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
-    """[class] tokens of the last n blocks, each through the final norm, concatenated.
-
-    DINO's linear eval of ViT-S uses n=4; the final LayerNorm is applied to each so the
-    blocks' outputs are on the same scale.
-    """
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or len(blocks) < n:
-        raise FeatureError(f"pool 'lastn' needs a ViT with at least {n} blocks")
-    grabbed: list[torch.Tensor] = []
-    hooks = [b.register_forward_hook(lambda m, i, o: grabbed.append(o)) for b in blocks[-n:]]
-    try:
-        model.forward_features(x)
-    finally:
-        for h in hooks:
-            h.remove()
-    norm = getattr(model, "norm", nn.Identity())
-    return torch.cat([norm(t)[:, 0] for t in grabbed], dim=-1)  # (B, n*D)
-
-
-def pool_tokens(model: nn.Module, x: torch.Tensor, pool: str, n_last: int = 4) -> torch.Tensor:
-    """Features (B, D') of normalised images x (B, C, H, W)."""
+def pool_tokens(
+    model: nn.Module, x: torch.Tensor, pool: str, n_last: int = 4, layer: int | None = None
+) -> torch.Tensor:
+    """Features (B, D') of normalised images x (B, C, H, W); see `ssl_vit.readout`."""
     if isinstance(model, RawPixels):
         return model(x)
-    has_cls = bool(getattr(model, "cls_token", None) is not None)
-    if pool in ("cls", "lastn") and not has_cls:
-        raise FeatureError(f"pool {pool!r} needs a [class] token; this backbone has none, use mean")
-    if pool == "lastn":
-        return _last_n_cls(model, x, n_last)
-    tokens = model.forward_features(x)  # (B, T, D), final norm applied
-    if pool == "cls":
-        return tokens[:, 0]
-    if pool == "mean":
-        start = int(getattr(model, "num_prefix_tokens", 0))
-        return tokens[:, start:].mean(dim=1)  # patch tokens only, not [class]/registers
-    raise FeatureError(f"unknown pool {pool!r}; choose one of {POOLS}")
+    try:
+        return readout.pool_tokens(model, x, pool, n_last, layer)
+    except ValueError as e:
+        raise FeatureError(str(e)) from None
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@torch.no_grad()
 def extract_features(
     backbone: EvalBackbone,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     *,
     pool: str = "auto",
     n_last: int = 4,
+    layer: int | None = None,
     device: torch.device | None = None,
     bf16: bool | None = None,
     total: int | None = None,
     desc: str = "features",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Run uint8 image batches (B, C, H, W) through the frozen backbone.
+    """Run uint8 image batches (B, C, H, W) through the frozen backbone: (N, D') features.
+
+    `layer` reads block `layer` (from 1) instead of the last (`ssl_vit.readout`); the input
+    handling is `extract_with`'s.
+    """
+    pool = resolve_pool(backbone, pool)
+    out, labels = extract_with(
+        backbone, batches, lambda m, x: {"f": pool_tokens(m, x, pool, n_last, layer)},
+        device=device, bf16=bf16, total=total, desc=desc,
+    )  # fmt: skip
+    return out["f"], labels
+
+
+@torch.no_grad()
+def extract_with(
+    backbone: EvalBackbone,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    read: Callable[[nn.Module, torch.Tensor], dict[str, torch.Tensor]],
+    *,
+    device: torch.device | None = None,
+    bf16: bool | None = None,
+    total: int | None = None,
+    desc: str = "features",
+    dtype: type = np.float32,
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Run uint8 image batches through the frozen backbone; `read(model, x)` names features.
 
     Images are scaled to [0, 1], resized to the backbone's input size when they differ,
     grey images are repeated to 3 channels for an RGB backbone, then normalised with the
     backbone's mean/std from backbone.json. bf16 autocast defaults to on for CUDA and off for
     CPU: measured on an AVX2 CPU without AVX512-BF16/AMX (AMD EPYC, 2 threads), ViT-Ti/4 at
     28 px ran 45 img/s in fp32 and 7 img/s under bf16 autocast (features agree to cos > 0.9999).
-    Pass bf16=True on CPUs with native bf16 (AMX), where it can be faster.
+    Pass bf16=True on CPUs with native bf16 (AMX), where it can be faster. One pass can read
+    several features (every block's, to choose a read-out); `dtype` is what they are kept in.
     """
     device = device or default_device()
     bf16 = (device.type == "cuda") if bf16 is None else bf16
-    pool = resolve_pool(backbone, pool)
     model = backbone.model.to(device).eval()
     mean = torch.tensor(backbone.meta["mean"], dtype=torch.float32, device=device)
     std = torch.tensor(backbone.meta["std"], dtype=torch.float32, device=device)
     if mean.numel() != backbone.in_chans and mean.numel() == 1:
         mean, std = mean.expand(backbone.in_chans), std.expand(backbone.in_chans)
-    feats: list[np.ndarray] = []
+    feats: dict[str, list[np.ndarray]] = {}
     labels: list[np.ndarray] = []
     bar = tqdm(total=total, desc=desc, unit="img", disable=None, mininterval=2.0)
     last_log = time.monotonic()
@@ -253,8 +253,9 @@ def extract_features(
             x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
         x = (x - mean[:, None, None]) / std[:, None, None]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            f = pool_tokens(model, x, pool, n_last)
-        feats.append(f.float().cpu().numpy())
+            out = read(model, x)  # name -> (B, D')
+        for name, f in out.items():
+            feats.setdefault(name, []).append(f.float().cpu().numpy().astype(dtype, copy=False))
         labels.append(y.to(torch.int64).cpu().numpy())
         done += len(y)
         bar.update(len(y))
@@ -262,9 +263,9 @@ def extract_features(
             log.info("%s: %d/%s images", desc, done, total if total is not None else "?")
             last_log = time.monotonic()
     bar.close()
-    if not feats:
+    if not labels:
         raise FeatureError(f"{desc}: the split yielded no images; check the shard set")
-    return np.concatenate(feats), np.concatenate(labels)
+    return {k: np.concatenate(v) for k, v in feats.items()}, np.concatenate(labels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,6 +312,32 @@ def _eval_batches(
     )
 
 
+def feature_fields(
+    backbone: EvalBackbone,
+    manifest_root: Path,
+    split: str,
+    *,
+    pool: str,
+    n_last: int = 4,
+    layer: int | None = None,
+    device: torch.device,
+    bf16: bool,
+) -> dict[str, Any]:
+    """What determines a split's features: their cache key (`cached`)."""
+    name = pool if pool != "lastn" else f"lastn{n_last}"
+    return {
+        "backbone": backbone.ident,
+        "manifest_sha256": sha256_file(Path(manifest_root) / MANIFEST_NAME),
+        "split": split,
+        "pool": readout_name(name, layer),  # the last block's keys are those of before layers
+        "img_size": backbone.img_size,
+        # bf16 features differ in the last bits, and GPU kernels from CPU ones: a cached
+        # file answers only for the arithmetic that made it
+        "device": device.type,
+        "precision": "bf16" if bf16 else "fp32",
+    }
+
+
 def split_features(
     backbone: EvalBackbone,
     data: str | os.PathLike,
@@ -318,6 +345,7 @@ def split_features(
     *,
     pool: str = "auto",
     n_last: int = 4,
+    layer: int | None = None,
     batch_size: int = 256,
     num_workers: int = 2,
     cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
@@ -328,29 +356,24 @@ def split_features(
     pool = resolve_pool(backbone, pool)
     if pool not in (*POOLS, "pixels"):
         raise FeatureError(f"unknown pool {pool!r}; choose one of {POOLS}")
+    if layer is not None and isinstance(backbone.model, RawPixels):
+        raise FeatureError("raw pixels have no blocks; drop --layer")
     manifest = load_manifest(data)
     info = manifest.split(split)  # raises naming the manifest and the splits it has
     device = device or default_device()
     bf16 = (device.type == "cuda") if bf16 is None else bf16
-    fields = {
-        "backbone": backbone.ident,
-        "manifest_sha256": sha256_file(Path(manifest.root) / MANIFEST_NAME),
-        "split": split,
-        "pool": pool if pool != "lastn" else f"lastn{n_last}",
-        "img_size": backbone.img_size,
-        # bf16 features differ in the last bits, and GPU kernels from CPU ones: a cached
-        # file answers only for the arithmetic that made it
-        "device": device.type,
-        "precision": "bf16" if bf16 else "fp32",
-    }
+    fields = feature_fields(
+        backbone, Path(manifest.root), split, pool=pool, n_last=n_last, layer=layer,
+        device=device, bf16=bf16,
+    )  # fmt: skip
 
     def compute() -> tuple[np.ndarray, np.ndarray]:
         batches = _eval_batches(
             Path(manifest.root), split, batch_size, num_workers, backbone.img_size
         )
         f, y = extract_features(
-            backbone, batches, pool=pool, n_last=n_last, device=device, bf16=bf16,
-            total=info.num_samples, desc=f"{split} features",
+            backbone, batches, pool=pool, n_last=n_last, layer=layer, device=device,
+            bf16=bf16, total=info.num_samples, desc=f"{split} features",
         )  # fmt: skip
         if len(y) != info.num_samples:  # the loader skips (and reports) corrupt samples
             log.warning(

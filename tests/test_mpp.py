@@ -226,6 +226,32 @@ def test_hybrid_and_mixer_pretrain_with_mpp(arch, patch):
     assert torch.isfinite(loss) and mpp.mask_token.grad.abs().sum() > 0
 
 
+def test_hybrid_hides_corrupted_pixels_from_the_stem():
+    """The stem's receptive field spans neighbouring patches: for a hybrid, what a masked or
+    replaced patch held must not reach any output, while a plain ViT's kept pixels do."""
+    mpp = _mpp("vit_tiny_r_s16_p8_224", 1).eval()  # 7x7 tokens of 4 px
+    assert mpp.hide_pixels and not _mpp().hide_pixels
+    img = torch.rand(1, 1, 28, 28)
+    probe = mpp.predict(img, generator=torch.Generator().manual_seed(3))
+    kinds = dict(zip(probe.positions[0].tolist(), probe.kinds[0].tolist(), strict=True))
+    hidden = next(p for p, k in kinds.items() if k != KEPT)
+    r, c = divmod(hidden, 7)
+    other = img.clone()
+    other[..., r * 4 : r * 4 + 4, c * 4 : c * 4 + 4] = torch.rand(4, 4)  # only that patch differs
+    with torch.no_grad():
+        a = mpp._forward(img, torch.Generator().manual_seed(3))[0]
+        b = mpp._forward(other, torch.Generator().manual_seed(3))[0]
+    torch.testing.assert_close(a, b)  # every prediction blind to the hidden patch
+    kept = [p for p, k in kinds.items() if k == KEPT]
+    untouched = [p for p in range(49) if p not in kinds]
+    r, c = divmod((kept or untouched)[0], 7)
+    other = img.clone()
+    other[..., r * 4 : r * 4 + 4, c * 4 : c * 4 + 4] = torch.rand(4, 4)
+    with torch.no_grad():
+        b = mpp._forward(other, torch.Generator().manual_seed(3))[0]
+    assert not torch.allclose(a, b)  # a visible patch does reach the predictions
+
+
 def test_a_bf16_cast_model_takes_float32_images_and_keeps_exact_targets():
     mpp = _mpp().to(torch.bfloat16)  # what a DeepSpeed bf16 engine does to the module
     img = torch.rand(2, 1, 28, 28)

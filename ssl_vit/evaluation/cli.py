@@ -53,8 +53,17 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         "--pool",
         choices=POOLS,
         default="auto",
-        help="[class] token, mean of patch tokens, or last n blocks' [class] tokens; auto: "
-        "[class] when the pretraining trained it (supervised), else the patch-token mean (MPP)",
+        help="[class] token, mean of patch tokens, last n blocks' [class] tokens, or the patch "
+        "tokens concatenated (tokens); auto: [class] when the pretraining trained it "
+        "(supervised), else the patch-token mean (MPP)",
+    )
+    p.add_argument(
+        "--layer",
+        type=_layer_arg,
+        default=None,
+        help="read block N (from 1) instead of the last; auto: choose the block, and with "
+        "--pool auto the pooling (mean, tokens, trained [class]), by kNN on the held-out 2%% "
+        "of the training split (never the test split)",
     )
     p.add_argument("--n-last", type=int, default=4, help="blocks concatenated by --pool lastn")
     p.add_argument(
@@ -93,6 +102,44 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _layer_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        layer = int(value)
+    except ValueError:
+        msg = f"{value!r}: give a block number (from 1) or auto"
+        raise argparse.ArgumentTypeError(msg) from None
+    if layer < 1:
+        raise argparse.ArgumentTypeError(f"{value}: blocks are numbered from 1")
+    return layer
+
+
+def choose_readout(args: argparse.Namespace, bb: EvalBackbone, kw: dict[str, Any]) -> None:
+    """--layer auto: set args.layer and args.pool to the read-out best on held-out training
+    data, keeping every candidate's score in args.readout_selection for the results."""
+    from ssl_vit.evaluation.readout_select import select_readout
+
+    pools: tuple[str, ...] = (args.pool,)
+    if args.pool == "auto":  # [class] only where the pretraining trained it (resolve_pool)
+        pools = (
+            ("mean", "tokens", "cls") if resolve_pool(bb, "auto") == "cls" else ("mean", "tokens")
+        )
+    if args.pool == "lastn":
+        raise FeatureError("--layer auto chooses one block; --pool lastn reads several")
+    sel = select_readout(
+        bb, args.data, args.train_split, pools=pools, batch_size=kw["batch_size"],
+        num_workers=kw["num_workers"], cache_dir=kw["cache_dir"], device=kw["device"],
+        bf16=kw["bf16"],
+    )  # fmt: skip
+    args.layer, args.pool, args.readout_selection = sel["layer"], sel["pool"], sel
+    print(
+        f"read-out {sel['name']}: best of {len(sel['scores'])} by {sel['criterion']} "
+        f"({sel['scores'][sel['name']]:.2%})",
+        file=sys.stderr,
+    )
+
+
 def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
     if args.backbone:
         resolved = resolve_export(args.backbone, tracking_uri=args.tracking_uri)
@@ -124,9 +171,7 @@ def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureS
     for split in (args.train_split, args.test_split):  # fail before any model or feature work
         manifest.split(split)
     bb = load_backbone_from_args(args)
-    args.pool = resolve_pool(bb, args.pool)  # recorded in the results as what was used
     kw: dict[str, Any] = dict(
-        pool=args.pool,
         n_last=args.n_last,
         batch_size=args.batch_size,
         num_workers=args.workers,
@@ -134,6 +179,11 @@ def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureS
         device=torch.device(args.device) if args.device else None,
         bf16=args.bf16,
     )
+    args.readout_selection = None
+    if args.layer == "auto":
+        choose_readout(args, bb, kw)
+    args.pool = resolve_pool(bb, args.pool)  # recorded in the results as what was used
+    kw.update(pool=args.pool, layer=args.layer)
     train = split_features(bb, args.data, args.train_split, **kw)
     test = split_features(bb, args.data, args.test_split, **kw)
     return bb, train, test
@@ -159,6 +209,7 @@ def report(
         "train_split": args.train_split,
         "test_split": args.test_split,
         "pool": args.pool if args.pool != "lastn" else f"lastn{args.n_last}",
+        "layer": args.layer if args.layer is not None else "last",
         "img_size": bb.img_size,
         **options,
     }
@@ -169,6 +220,9 @@ def report(
         "pretrain_run_id": parent,
         "seconds": seconds,
     }
+    if getattr(args, "readout_selection", None):  # --layer auto: what was chosen, and how
+        results["readout_selection"] = args.readout_selection
+        params["readout_chosen_by"] = args.readout_selection["criterion"]
     print(format_table(f"{eval_name}: {bb.source} on {args.data}", metrics))
     if args.out:
         write_results(args.out, results)

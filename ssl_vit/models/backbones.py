@@ -22,7 +22,7 @@ from timm.models.mlp_mixer import MixerBlock, MlpMixer
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-__all__ = ["build_backbone", "TokenGeometry", "token_geometry", "backbone_kind"]
+__all__ = ["build_backbone", "TokenGeometry", "token_geometry", "backbone_kind", "is_hybrid"]
 
 
 def _mixer_with_patch_size(
@@ -93,6 +93,11 @@ def backbone_kind(model: nn.Module) -> str:
         f"unsupported backbone {type(model).__name__}: use a timm VisionTransformer "
         "(vit_*, hybrid vit_*_r*) or MlpMixer (mixer_*)"
     )
+
+
+def is_hybrid(model: nn.Module) -> bool:
+    """A ViT whose patches come from a CNN's feature map (paper sec. 3.1, Hybrid)."""
+    return isinstance(getattr(model, "patch_embed", None), HybridEmbed)
 
 
 @dataclass(frozen=True)

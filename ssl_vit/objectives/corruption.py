@@ -12,7 +12,15 @@ import torch
 
 from ssl_vit.recipe import MPP, CorruptionKind
 
-__all__ = ["Corruption", "draw_corruption", "apply_corruption", "MASK", "RANDOM", "KEPT"]
+__all__ = [
+    "Corruption",
+    "draw_corruption",
+    "apply_corruption",
+    "visible_pixels",
+    "MASK",
+    "RANDOM",
+    "KEPT",
+]
 
 MASK, RANDOM, KEPT = CorruptionKind.MASK, CorruptionKind.RANDOM, CorruptionKind.KEPT
 
@@ -90,3 +98,18 @@ def apply_corruption(
     new = torch.where(kind == int(RANDOM), src, orig)
     new = torch.where(kind == int(MASK), mask_token.to(tokens.dtype), new)
     return tokens.scatter(1, idx, new)
+
+
+def visible_pixels(corruption: Corruption, grid: tuple[int, int], patch_px: int) -> torch.Tensor:
+    """(B, 1, H, W) mask, 0 on the pixels of masked and replaced patches, 1 elsewhere.
+
+    For backbones whose patch embedding sees beyond its own patch (a hybrid's ResNet stem):
+    multiplying the normalised image by it hides what a corrupted patch held from its
+    neighbours' receptive fields. Kept patches stay visible, as their embeddings do.
+    """
+    B = corruption.positions.shape[0]
+    hidden = (corruption.kinds != int(KEPT)).float()  # (B, M)
+    grid_hidden = torch.zeros(B, grid[0] * grid[1], device=hidden.device)
+    grid_hidden.scatter_(1, corruption.positions, hidden)  # (B, N)
+    up = grid_hidden.view(B, 1, *grid).repeat_interleave(patch_px, 2).repeat_interleave(patch_px, 3)
+    return 1.0 - up  # (B, 1, gh * P, gw * P)

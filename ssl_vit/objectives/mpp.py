@@ -24,9 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_vit.models.backbones import token_geometry
+from ssl_vit.models.backbones import is_hybrid, token_geometry
 from ssl_vit.models.heads import PretrainHead
-from ssl_vit.objectives.corruption import Corruption, apply_corruption, draw_corruption
+from ssl_vit.objectives.corruption import (
+    Corruption,
+    apply_corruption,
+    draw_corruption,
+    visible_pixels,
+)
 from ssl_vit.objectives.targets import (
     color_class,
     decode_color_classes,
@@ -90,8 +95,12 @@ class MaskedPatchPrediction(nn.Module):
     (the acc metrics are absent for target="pixels" with normalize_pixels=True).
 
     With a hybrid backbone the ResNet stem's receptive field overlaps neighbouring patches, so
-    the uncorrupted neighbours' embeddings carry some of a masked patch's pixels: the task is
-    easier than with plain patch projection (the paper pretrains plain ViTs with MPP).
+    the uncorrupted neighbours' embeddings would carry much of a masked patch's pixels (at 32 px
+    with 2x2 patches of the stem's map, a token sees 15 px around its 8-px cell). So for a
+    hybrid the pixels of every masked or replaced patch are set to the dataset mean (0 after
+    normalisation) before the stem, as well as their embeddings corrupted: no token can see
+    what it is asked to predict. Kept patches keep their pixels. (The paper pretrains plain
+    ViTs with MPP, where the patch projection does not overlap.)
 
     Args:
         backbone: from `ssl_vit.models.build_backbone`.
@@ -168,6 +177,7 @@ class MaskedPatchPrediction(nn.Module):
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
         self._prefix = num_prefix_tokens(backbone)
+        self.hide_pixels = is_hybrid(backbone)  # see the class docstring
 
     def no_weight_decay(self) -> set[str]:
         """Parameter names exempt from weight decay (see ssl_vit.objectives.param_groups)."""
@@ -195,11 +205,13 @@ class MaskedPatchPrediction(nn.Module):
         """-> head outputs (B, M, out), targets, corruption."""
         B = images.shape[0]
         x = normalize(images, self.mean, self.std, self.backbone)
-        tokens = embed_patches(self.backbone, x)  # (B, N, D)
         corr = draw_corruption(
-            B, tokens.shape[1], self.num_corrupt, mask_prob=self.mask_prob,
-            random_prob=self.random_prob, device=tokens.device, generator=generator,
+            B, self.num_patches, self.num_corrupt, mask_prob=self.mask_prob,
+            random_prob=self.random_prob, device=x.device, generator=generator,
         )  # fmt: skip
+        if self.hide_pixels:
+            x = x * visible_pixels(corr, self.grid, self.patch_size).to(x.dtype)
+        tokens = embed_patches(self.backbone, x)  # (B, N, D)
         tokens = apply_corruption(tokens, corr, self.mask_token)
         feats = encode_patches(self.backbone, tokens, self.grid)[:, self._prefix :]  # (B, N, D)
         idx = corr.positions.unsqueeze(-1).expand(-1, -1, feats.shape[-1])
