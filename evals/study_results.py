@@ -75,3 +75,10 @@ def lr_text(r: Results, sweep: str) -> str:
     held = ", ".join(f"{run['value']}: {100 * run['selection_best_top1']:.2f}"
                      for run in out["runs"])  # fmt: skip
     return f"{out['chosen']['optim.lr']} (held-out top-1 {held})"
+
+
+def readout_label(r: Results, evals: str) -> str:
+    """The read-out an eval's `--layer auto` chose ('tokens@block4'), from its kNN result."""
+    out = r.output(f"{evals}/knn")
+    sel = None if out is None else out.get("readout_selection")
+    return "pending" if sel is None else sel["name"]

@@ -13,6 +13,7 @@ LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two t
 HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
 P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid's two trainings (plan)
 SHIFT_ARMS = ("ft_mpp_long_shift_s0", "scratch_long_shift_s0")  # the longer schedule, 2-px shifts
+HYBRID_ARMS = ("ft_mpp_hybrid_s0", "scratch_hybrid_s0")  # the paper's hybrid, main budget
 
 
 def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
@@ -53,6 +54,9 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     lines.append(f"| {long}, random shifts of up to 2 px in every run ({shift}) | "
                  f"{_pair(r, *SHIFT_ARMS)} | {_chosen(r, LONG_ARMS[0])}, the flips-only "
                  f"{long} sweep's (not swept) |")  # fmt: skip
+    lines.append(f"| {short}, the paper's hybrid (ResNet stem at 32 px, 2x2 patches of its "
+                 f"8x8 map: 16 tokens, ~1.3x the compute per image) | {_pair(r, *HYBRID_ARMS)} | "
+                 f"{_chosen(r, arms['mpp'][0])}, the 16-token sweep's (not swept) |")  # fmt: skip
     hires = r.output(HIRES_ARM)
     held = "pending" if hires is None else pct(hires["selection_best_top1"])
     lines.append(f"| {long}, fine-tuned at {HIRES} px (6x6 tokens, ~2.4x the fine-tuning "
