@@ -301,7 +301,7 @@ def cached(
     return FeatureSet(feats, labels, False, time.perf_counter() - t0)
 
 
-def _eval_batches(
+def eval_batches(
     data: Path, split: str, batch_size: int, num_workers: int, img_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each sample of the split once, in order, as uint8 (B, C, img_size, img_size)."""
@@ -368,7 +368,7 @@ def split_features(
     )  # fmt: skip
 
     def compute() -> tuple[np.ndarray, np.ndarray]:
-        batches = _eval_batches(
+        batches = eval_batches(
             Path(manifest.root), split, batch_size, num_workers, backbone.img_size
         )
         f, y = extract_features(

@@ -34,9 +34,9 @@ from ssl_vit.features import (
     EvalBackbone,
     FeatureError,
     RawPixels,
-    _eval_batches,
     cache_key,
     default_device,
+    eval_batches,
     extract_with,
     feature_fields,
 )
@@ -135,7 +135,7 @@ def select_readout(
         tokens = block_tokens(model, x, layers)
         return {c.name: pool_from_tokens(tokens[c.layer], c.pool, prefix) for c in cands}
 
-    batches = _eval_batches(Path(manifest.root), split, batch_size, num_workers, bb.img_size)
+    batches = eval_batches(Path(manifest.root), split, batch_size, num_workers, bb.img_size)
     # float16 keeps every candidate of a 60k split in memory (1.5 GB for the preset); the
     # ranking is computed in float32 from it
     feats, labels = extract_with(
