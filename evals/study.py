@@ -392,19 +392,20 @@ def plan() -> list[Step]:
         _finetune("mpp_hybrid", SEEDS[0], FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}", HYBRID[1]),
         *_snapshot_evals("mpp_hybrid", (PRETRAIN_EPOCHS,)),
         *_evals("random_hybrid", RANDOM_HYBRID),
-        # Frozen features with the read-out chosen on held-out, beside the last block's.
-        *_evals(
-            "mpp_e6_readout",
-            ["--backbone", str(STUDY / "mpp" / "export_epoch6"), *READOUT],
-            ("mpp",),
-        ),  # fmt: skip
-        *_evals("random_readout", [*RANDOM, *READOUT]),
+        # Frozen features with the read-out chosen on held-out, beside the last block's: the
+        # hybrid's first (its export is fresh), then the ViT's (6-epoch MPP) and random inits.
         *_evals(
             "mpp_hybrid_e6_readout",
             ["--backbone", str(STUDY / "mpp_hybrid" / "export_epoch6"), *READOUT],
             ("mpp_hybrid",),
         ),  # fmt: skip
         *_evals("random_hybrid_readout", [*RANDOM_HYBRID, *READOUT]),
+        *_evals(
+            "mpp_e6_readout",
+            ["--backbone", str(STUDY / "mpp" / "export_epoch6"), *READOUT],
+            ("mpp",),
+        ),  # fmt: skip
+        *_evals("random_readout", [*RANDOM, *READOUT]),
     ]
 
 

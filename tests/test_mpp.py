@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,3 +298,21 @@ def test_tiny_model_learns_mean_colours_well_below_chance():
     assert losses[0] > 0.9 * math.log(512)  # starts at chance, ln 512 = 6.24
     assert max(losses[-5:]) < 0.25 * math.log(512), losses[-5:]
     assert metrics["mpp/acc"] > 0.7
+
+
+def test_hybrid_preset_overrides_build_mpp_with_image_pixel_patches(tiny_shards):
+    """model.patch_size is in the stem's feature-map pixels for a hybrid: the objective takes
+    its pixels per token from the backbone (8 = stem stride 4 x 2), as the study's track runs."""
+    from ssl_vit.config import load_config
+    from ssl_vit.data.manifest import load_manifest
+    from ssl_vit.engine.build import build_from_config
+
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "fmnist_vit_tiny_mpp.yaml",
+        ["model.arch=vit_tiny_r_s16_p8_224", "model.img_size=32", "model.patch_size=2",
+         "model.kwargs={embed_dim: 32, depth: 1, num_heads: 2}"],
+    )  # fmt: skip
+    objective, _, _ = build_from_config(cfg, load_manifest(tiny_shards))
+    assert objective.patch_size == 8 and objective.grid == (4, 4) and objective.hide_pixels
+    loss, _ = objective(torch.rand(2, 1, 32, 32), torch.zeros(2, dtype=torch.long))
+    assert torch.isfinite(loss)

@@ -64,7 +64,8 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
     # objective.* keys are named as the objectives' arguments: pass the ones this kind takes
     available = {
         **dataclasses.asdict(o),
-        "patch_size": kwargs.get("patch_size"),
+        "patch_size": None,  # MPP reads the pixels per token from the backbone (a hybrid's
+        # token covers the stem's stride times model.patch_size)
         "in_chans": spec.in_chans,
         "num_classes": manifest.num_classes,
         "coarse_sizes": [int(s) for s in o.cascade_sizes],  # the cascade's coarser stages
