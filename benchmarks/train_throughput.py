@@ -58,7 +58,9 @@ def plain_loop(config: str, shards: str, overrides: list[str], steps: int, windo
     cfg = load_config(config, [f"data.root={shards}", "train.epochs=null", "train.steps=1",
                                *overrides])  # fmt: skip
     torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the pipeline's
     objective, _, _ = build_from_config(cfg, load_manifest(shards))
+    objective.to(device)
     if compiled:
         from ssl_vit.engine.compile import compile_blocks
 
@@ -68,16 +70,17 @@ def plain_loop(config: str, shards: str, overrides: list[str], steps: int, windo
     loader = make_eval_loader(shards, "train", batch_size=512, img_size=cfg.model.img_size,
                               num_workers=0)  # fmt: skip
     n = max(4096, 2 * batch)
-    images = torch.cat([x for x, _ in itertools.islice(loader, -(-n // 512))])[:n]  # uint8
-    labels = torch.zeros(batch, dtype=torch.long)
+    images = torch.cat([x for x, _ in itertools.islice(loader, -(-n // 512))])[:n].to(device)
+    labels = torch.zeros(batch, dtype=torch.long, device=device)
     opt = torch.optim.AdamW(objective.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                             weight_decay=cfg.optim.weight_decay)  # fmt: skip
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)
     rates = []
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        x = images[torch.randint(0, len(images), (batch,), generator=gen)].float().div_(255)
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        pick = torch.randint(0, len(images), (batch,), generator=gen, device=device)
+        x = images[pick].float().div_(255)  # (B, C, H, W) in [0, 1]
+        with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
             loss, _ = objective(x, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -73,6 +73,15 @@ RANDOM_HYBRID = ["--random-init", "vit_tiny_r_s16_p8_224", "--patch-size", "2", 
 # Frozen features read where they are best: `--layer auto` picks the block and pooling (mean or
 # the 16 patch tokens concatenated) by kNN on the held-out 2% of train (issue 13, frozen goals).
 READOUT = ["--layer", "auto"]
+# The GPU track (issue 13, goals 1-2): the hybrid at 5x the main budget on a lent GPU
+# (benchmarks/device_study.sh): MPP 40 epochs + fine-tuning 10 against from scratch for the sum,
+# the same recipe and batches, eager (compiling costs a minute of a 10-minute lease). Single
+# seed, marked so; the frozen evaluations of its export run on any machine.
+GPU_PRETRAIN_EPOCHS = 40
+GPU_SNAPSHOTS = (10, 20, 40)
+GPU_FINETUNE_EPOCHS = 10
+GPU_SCRATCH_EPOCHS = GPU_PRETRAIN_EPOCHS + GPU_FINETUNE_EPOCHS
+EAGER = ["train.compile=false"]
 FINETUNE = [  # 28 px: the pretraining resolution (16 tokens), for the budget
     "model.img_size=28", f"train.epochs={FINETUNE_EPOCHS}", "optim.warmup_steps=100",
     "run.eval_every=235",  # 4 held-out evaluations per run to choose among
@@ -105,6 +114,7 @@ class Step:
     needs: tuple[str, ...] = ()  # steps whose exports (in runs/) this one reads
     run_dir: Path | None = None  # a training step's run directory (metric lines, sweeps)
     figures: tuple[str, ...] = ()  # PNGs beside the output, committed with the result
+    gpu: bool = False  # sized for a GPU: `run` takes it only when named by --only
 
     def args(self) -> list[str]:
         return self.argv() if callable(self.argv) else self.argv
@@ -406,6 +416,30 @@ def plan() -> list[Step]:
             ("mpp",),
         ),  # fmt: skip
         *_evals("random_readout", [*RANDOM, *READOUT]),
+        *gpu_track(py),
+    ]
+
+
+def gpu_track(py: str) -> list[Step]:
+    """The hybrid at the GPU budget: from scratch and MPP + fine-tune run side by side on one
+    GPU (benchmarks/device_study.sh), the exported features evaluated anywhere."""
+    mpp = "mpp_hybrid_gpu"
+    steps = [
+        _scratch(SEEDS[0], GPU_SCRATCH_EPOCHS, "scratch_hybrid_gpu", *HYBRID, *EAGER),
+        _pretrain(
+            mpp, MPP, py, *HYBRID, *EAGER, epochs=GPU_PRETRAIN_EPOCHS, snapshots=GPU_SNAPSHOTS
+        ),  # fmt: skip
+        _finetune(mpp, SEEDS[0], GPU_FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}", HYBRID[1], *EAGER),
+    ]
+    for step in steps:
+        step.gpu = True
+    return [
+        *steps,
+        *_evals(
+            f"{mpp}_e{GPU_PRETRAIN_EPOCHS}_readout",
+            ["--backbone", str(STUDY / mpp / f"export_epoch{GPU_PRETRAIN_EPOCHS}"), *READOUT],
+            (mpp,),
+        ),  # fmt: skip
     ]
 
 

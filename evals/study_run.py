@@ -9,6 +9,7 @@ report's curves. The file is written atomically, last: a step with a result is f
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -25,8 +26,13 @@ from ssl_vit.perf import describe_machine
 
 
 def _git_commit(root: Path) -> str | None:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-    return out.stdout.strip() or None
+    """HEAD, or $SSL_VIT_GIT_COMMIT where the tree is a copy without git (a lent GPU machine)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                             text=True).stdout.strip()  # fmt: skip
+    except OSError:
+        out = ""
+    return out or os.environ.get("SSL_VIT_GIT_COMMIT") or None
 
 
 def _metric_lines(run_dir: Path, output: dict) -> Path | None:
@@ -240,7 +246,7 @@ def run(steps: list, root: Path, study: Path, only: list[str] | None = None) -> 
         now = state(step, root)
         if now == "done" and "--config" in step.args():
             _upgrade(step, root)
-        if now == "done" or (only and step.name not in only):
+        if now == "done" or (only and step.name not in only) or (step.gpu and not only):
             continue
         if now == "stale":
             _set_aside(step, root)

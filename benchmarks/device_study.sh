@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The study's GPU track on one lent GPU, in one call: shards, then from scratch beside MPP +
+# fine-tuning (evals/study.py gpu_track), then the pipeline against the plain loop if time is left.
+#
+#   OUT=/tmp/device BUDGET=540 SSL_VIT_GIT_COMMIT=$(git rev-parse HEAD) \
+#       bash benchmarks/device_study.sh
+#
+# Where nothing can be installed (a lent machine with torch and timm but no internet), the other
+# dependencies travel beside the tree: .whl/*.whl (webdataset, mlflow-skinny and their needs for
+# Python 3.12), .whl/deepspeed-site.tgz (the pure-Python deepspeed package) and the Fashion-MNIST
+# IDX files in .fmnist/. Elsewhere `pip install -e .` and FMNIST=DIR do. BUDGET: seconds after
+# which unfinished steps are stopped (they resume from their checkpoints on a later call).
+# What comes back under $OUT: the study's results of the track, logs and metric lines, and the
+# MPP run's exports (the frozen evaluations of evals/study.py read them on any machine).
+set -u
+OUT=${OUT:-/tmp/device_study}
+BUDGET=${BUDGET:-540}
+FMNIST=${FMNIST:-.fmnist}
+WHEELS=${WHEELS:-.whl}
+PY=${PY:-python3}
+LOGS=runs/study/device
+T0=$(date +%s)
+mkdir -p "$OUT" "$LOGS"
+elapsed() { echo $(($(date +%s) - T0)); }
+
+if [ -d "$WHEELS" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        "$WHEELS"/*.whl && tar -xzf "$WHEELS"/deepspeed-site.tgz -C /tmp/site || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+$PY -c "import torch, deepspeed, webdataset, mlflow, timm; print('torch', torch.__version__,
+'deepspeed', deepspeed.__version__, 'timm', timm.__version__, 'mlflow', mlflow.__version__,
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || exit 1
+[ -f shards/fashion-mnist/manifest.json ] ||
+    $PY data_prep/make_shards.py "$FMNIST" shards/fashion-mnist --workers 12 >"$LOGS/shards.log" 2>&1 ||
+    { tail -5 "$LOGS/shards.log"; exit 1; }
+echo "shards ready at $(elapsed) s"
+
+# The MLflow store first: two processes creating one SQLite store at once race on its tables.
+$PY -c "from mlflow.tracking import MlflowClient; MlflowClient('sqlite:///mlflow.db').search_experiments()"
+# Two chains side by side: a small model leaves a GPU mostly idle between kernel launches.
+setsid $PY evals/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_s0 >"$LOGS/chain_mpp.log" 2>&1 &
+A=$!
+setsid $PY evals/study.py run --only scratch_hybrid_gpu_s0 >"$LOGS/chain_scratch.log" 2>&1 &
+B=$!
+while kill -0 $A 2>/dev/null || kill -0 $B 2>/dev/null; do
+    if [ "$(elapsed)" -ge "$BUDGET" ]; then
+        echo "budget reached at $(elapsed) s: stopping the chains"
+        kill -TERM -- -$A -$B 2>/dev/null  # each chain is a session: its training goes too
+        sleep 5
+        break
+    fi
+    sleep 5
+done
+echo "chains ended at $(elapsed) s"
+for f in runs/study/*_gpu*/metrics.jsonl; do
+    [ -f "$f" ] && echo "$f: $(tail -1 "$f" | head -c 400)"
+done
+
+# The pipeline against the plain loop on this GPU, if a minute and a half is left.
+if [ $((BUDGET - $(elapsed))) -ge 90 ]; then
+    timeout $((BUDGET - $(elapsed))) $PY benchmarks/train_throughput.py --steps 200 --rounds 1 \
+        --config configs/fmnist_hybrid_mpp.yaml --out "$OUT/train_throughput.json" \
+        >"$LOGS/throughput.log" 2>&1
+    tail -15 "$LOGS/throughput.log"
+fi
+
+tar -czf "$OUT/results.tgz" results/study/*_gpu* 2>/dev/null
+tar -czf "$OUT/logs.tgz" runs/study/logs "$LOGS" runs/study/*_gpu*/metrics.jsonl \
+    runs/study/*_gpu*/config.yaml 2>/dev/null
+for e in export export_epoch10 export_epoch20 export_epoch40; do
+    d=runs/study/mpp_hybrid_gpu/$e
+    [ -f "$d/objective.json" ] && tar -czf "$OUT/mpp_hybrid_gpu.$e.tgz" "$d"
+done
+ls -la "$OUT"
+echo "done at $(elapsed) s"
