@@ -108,6 +108,32 @@ def test_shifts_are_the_streaming_loaders_within_the_bound():
     assert None not in shifts and len(set(shifts)) > 12
 
 
+def test_batched_shift_is_shift_image_for_every_offset_and_channel_count():
+    """The batch shift (what a GPU runs) against the per-image reference, for every offset up to
+    the pad, shifts past the image (all zero), grayscale and RGB."""
+    rng = np.random.default_rng(0)
+    offsets = [(dy, dx) for dy in range(-3, 4) for dx in range(-3, 4)] + [(5, -5), (-6, 0)]
+    for c in (1, 3):
+        imgs = torch.from_numpy(rng.integers(1, 256, (len(offsets), c, 5, 6), dtype=np.uint8))
+        out = memory.shift_batch(imgs, offsets, pad=6)
+        for img, moved, (dy, dx) in zip(imgs, out, offsets, strict=True):
+            hwc = img.permute(1, 2, 0).numpy()
+            assert np.array_equal(moved.permute(1, 2, 0).numpy(), shift_image(hwc, dy, dx))
+
+
+def test_a_loader_on_a_device_gives_the_host_loaders_batches(tmp_path):
+    """`device` holds the split there and makes each batch there: the same samples, crops,
+    shifts and flips as the host loader's (on the CPU device here; a GPU may round a resampled
+    pixel differently)."""
+    root = make_set(tmp_path, [40], size=10)
+    kw = dict(img_size=8, scale=(0.3, 1.0), global_batch=8, translate=1)
+    host = _loader(root, **kw)
+    there = _loader(root, **kw, device="cpu")
+    for (x, y), (xd, yd) in zip(host, there, strict=True):
+        assert torch.equal(x, xd) and torch.equal(y, yd)
+        assert xd.device.type == "cpu"
+
+
 @pytest.mark.parametrize("in_memory", [False, True])
 def test_workers_from_the_training_start_method_give_the_same_batches(
     tmp_path, monkeypatch, in_memory

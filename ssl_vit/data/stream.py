@@ -197,6 +197,7 @@ def make_train_loader(
     timeout: float = 0,
     multiprocessing_context: str | None = None,
     in_memory: bool = False,
+    device: torch.device | str | None = None,
 ) -> TrainLoader | MemoryTrainLoader:
     """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
     int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
@@ -205,7 +206,7 @@ def make_train_loader(
     `holdout_fraction` keeps that hashed share of the split out of training (module doc).
     Resume with the same seed, world_size and num_workers for an exact continuation.
     `in_memory`: the split decoded once by `num_workers` workers and batched from RAM
-    (ssl_vit.data.memory, same contract)."""
+    (ssl_vit.data.memory, same contract), held and augmented on `device` when given (a GPU)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if global_batch < world_size or global_batch % world_size:
@@ -232,7 +233,7 @@ def make_train_loader(
         loader: TrainLoader | MemoryTrainLoader = MemoryTrainLoader(
             images, labels, manifest=manifest, split=split, global_batch=global_batch,
             rank=rank, world_size=world_size, img_size=img_size, seed=seed, augment=augment,
-            scale=scale, hflip=hflip, counter=counter, translate=translate,
+            scale=scale, hflip=hflip, counter=counter, translate=translate, device=device,
         )  # fmt: skip
         loader.set_epoch(epoch, skip_batches)
         return loader

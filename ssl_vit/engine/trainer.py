@@ -174,6 +174,7 @@ def _setup(cfg: Config, header: str) -> _Setup:
         hflip=cfg.data.hflip, translate=cfg.data.translate, missing=cfg.data.missing_shards,
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
         in_memory=in_ram, multiprocessing_context=IN_TRAINING_START,
+        device=device if device.type == "cuda" else None,  # batches made on the GPU
     )  # fmt: skip
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * loader.steps_per_epoch)
     flops = 0.0
