@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import shutil
 import time
 from pathlib import Path
@@ -154,3 +156,39 @@ def test_server_outage_spools_and_recovers(
         assert main(["replay", str(spool)]) == 0  # nothing left: a no-op
     finally:
         server.kill()
+
+
+def _open_store_at_once(uri: str, barrier, results) -> None:
+    """One of several processes opening one new SQLite store at the same moment."""
+    import mlflow  # noqa: F401  (imported before the barrier: the opens line up)
+
+    from ssl_vit.tracking.store import Store
+
+    barrier.wait()
+    try:
+        store = Store(uri)
+        exp = store.client.create_experiment(f"e-{os.getpid()}")
+        store.client.create_run(exp)
+        results.put("ok")
+    except Exception as e:  # what a racing migration raises, sent back to the test
+        results.put(f"{type(e).__name__}: {str(e)[:120]}")
+
+
+def test_processes_creating_one_sqlite_store_at_once_all_get_it(tmp_path: Path) -> None:
+    """Two jobs started together on a fresh machine create the default store at once: without
+    the lock in store.open_client, 3 of 4 such processes failed here ("table ... already
+    exists", "duplicate column name") and one migration was left half done."""
+    ctx = multiprocessing.get_context("spawn")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_open_store_at_once, args=(uri, barrier, results))
+             for _ in range(3)]  # fmt: skip
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert outcomes == ["ok"] * 3
+    client = MlflowClient(uri)
+    experiments = [e.experiment_id for e in client.search_experiments() if e.name != "Default"]
+    assert len(client.search_runs(experiments)) == 3

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssl_vit.io import sha256_file
+from ssl_vit.tracking.store import open_client
 
 log = logging.getLogger("ssl_vit.tracking")
 
@@ -92,9 +93,7 @@ def client_for(store: str):
     if store.startswith(("http://", "https://")):  # a dead server answers within seconds
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(store)
+    return open_client(store)
 
 
 def _missing(e: Exception) -> bool:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ssl_vit.io import atomic_write_text
-from ssl_vit.tracking.store import resolve_uri
+from ssl_vit.tracking.store import open_client, resolve_uri
 
 log = logging.getLogger("ssl_vit.tracking")
 
@@ -47,9 +47,7 @@ class ParentRuns:
         )
 
     def _client(self):
-        from mlflow.tracking import MlflowClient
-
-        return MlflowClient(self.uri)
+        return open_client(self.uri)
 
     def run_id(self, name: str, tags: dict[str, str] | None = None) -> str | None:
         """The parent run of `name`, created on first use; None when the store is down."""
