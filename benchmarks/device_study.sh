@@ -38,8 +38,6 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || ex
     { tail -5 "$LOGS/shards.log"; exit 1; }
 echo "shards ready at $(elapsed) s"
 
-# The MLflow store first: two processes creating one SQLite store at once race on its tables.
-$PY -c "from mlflow.tracking import MlflowClient; MlflowClient('sqlite:///mlflow.db').search_experiments()"
 # Two chains side by side: a small model leaves a GPU mostly idle between kernel launches.
 setsid $PY evals/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_s0 >"$LOGS/chain_mpp.log" 2>&1 &
 A=$!

@@ -158,7 +158,7 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
 
 
 def _augmentation() -> list[str]:
-    from study import chosen_augmentation
+    from study_steps import chosen_augmentation
 
     return chosen_augmentation()
 
@@ -174,7 +174,7 @@ def _log_figures(study: Path, root: Path, figures: list[Path]) -> None:
 
 def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  epochs: tuple[int, ...], seeds: tuple[int, ...]) -> None:  # fmt: skip
-    from study import (
+    from study_steps import (
         LONG_FINETUNE_EPOCHS,
         LONG_PRETRAIN_EPOCHS,
         LONG_SNAPSHOTS,

@@ -19,7 +19,7 @@ HYBRID_ARMS = ("ft_mpp_hybrid_s0", "scratch_hybrid_s0")  # the paper's hybrid, m
 def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     """Issue 13 item 2: MPP pretrained and fine-tuned longer against from scratch for the same
     total epochs, beside the shorter budget's seed 0 (one seed each: no error bar)."""
-    from study import (
+    from study_steps import (
         FINETUNE_EPOCHS,
         HIRES,
         LONG_FINETUNE_EPOCHS,
@@ -45,7 +45,7 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     budgets = ((short, arms["mpp"][0], arms["scratch"][0]), (long, *LONG_ARMS))
     for label, ft, scratch in budgets:
         lines.append(f"| {label} | {_pair(r, ft, scratch)} | {lr_text(r, ft)} |")
-    from study import P4_FINETUNE_EPOCHS, P4_PRETRAIN_EPOCHS, SHIFT
+    from study_steps import P4_FINETUNE_EPOCHS, P4_PRETRAIN_EPOCHS, SHIFT
 
     lines.append(f"| {P4_PRETRAIN_EPOCHS} + {P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 "
                  f"tokens, ~3x the compute per image) | {_pair(r, *P4_ARMS)} | "
@@ -107,7 +107,7 @@ def dynamic(r: Results, root: Path, results: Path) -> list[str]:
 
 def recipes(r: Results) -> list[str]:
     """Issue 13 item 3: which small-image recipe wins on held-out data."""
-    from study import RECIPE_EPOCHS, RECIPES
+    from study_steps import RECIPE_EPOCHS, RECIPES
 
     lines = ["", f"## Small-image recipe (from scratch with labels, {RECIPE_EPOCHS} epochs, "
              "single seed)", "", "Compared on held-out top-1 (the best of the run's "
@@ -130,7 +130,7 @@ def recipes(r: Results) -> list[str]:
         lines.append(f"| {name} | {what} | {pct(held)} | {pct(out['selected_top1'])} | {ips} |")
     if scored:
         lines += ["", f"Best on held-out so far: {max(scored)[1]}."]
-    from study import FINETUNE_RECIPES
+    from study_steps import FINETUNE_RECIPES
 
     lines += ["", "MPP fine-tuning recipes (seed 0, same budget):", "",
               "| recipe | overrides of the fine-tuning preset | held-out top-1 | test top-1 |",
@@ -150,7 +150,7 @@ def recipes(r: Results) -> list[str]:
 
 
 def inspect_figures(root: Path, results: Path) -> list[str]:
-    from study import INSPECT_FIGURES
+    from study_steps import INSPECT_FIGURES
 
     lines = []
     for name in INSPECT_FIGURES:

@@ -17,6 +17,7 @@ import study  # noqa: E402
 import study_mlflow  # noqa: E402
 import study_report  # noqa: E402
 import study_run  # noqa: E402
+import study_steps  # noqa: E402
 
 WRITE = "import json, sys, pathlib; p = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True); p.write_text(json.dumps({'metrics': {'v': 1}})); open(sys.argv[2], 'a').write('x')"  # noqa: E501
 
@@ -107,19 +108,19 @@ def test_plan_seeds_reuse_the_lr_seed_0_chose(tmp_path, monkeypatch):
         assert all(f"{arm}_s{s}" in names for s in study.SEEDS)
     sweep = next(s for s in study.plan() if s.name == "ft_mpp_s0")
     assert "--sweep" in sweep.args() and "run.seed=0" in sweep.args()
-    monkeypatch.setattr(study, "RESULTS", tmp_path)
+    monkeypatch.setattr(study_steps, "RESULTS", tmp_path)
     (tmp_path / "ft_mpp_s0.json").write_text(json.dumps({"result": {"chosen": {"optim.lr": 0.03}}}))
     seed1 = next(s for s in study.plan() if s.name == "ft_mpp_s1")
     assert "optim.lr=0.03" in seed1.args() and "--sweep" not in seed1.args()
     # The crop every training step uses is the augmentation recipe that won on held-out.
-    assert study.chosen_augmentation() == []  # the presets' own until all three have results
+    assert study_steps.chosen_augmentation() == []  # the presets' own until all three have results
     for name, held in zip(study.AUGMENTATIONS, (0.70, 0.80, 0.75), strict=True):
         (tmp_path / f"{name}.json").write_text(
             json.dumps({"result": {"selection_best_top1": held}})
         )
     won = study.RECIPES["recipe_p7_flip"]
     pre = next(s for s in study.plan() if s.name == "mpp")
-    assert study.chosen_augmentation() == won and pre.args()[-len(won) :] == won
+    assert study_steps.chosen_augmentation() == won and pre.args()[-len(won) :] == won
     assert study_mlflow.method_of("ft_mpp_s1") == study_mlflow.method_of("mpp_e2/knn") == "mpp"
     assert study_mlflow.method_of("scratch_s2") == "scratch"
 
