@@ -13,6 +13,8 @@ in OUT) live in test_data_prep_jobs.py.
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -221,12 +223,34 @@ PARAMS = [
 ]
 
 
+TEST = "test_bad_input_is_one_line_error"
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, bad, store, tiny_shards, tmp_path_factory) -> dict[str, tuple]:
+    """(process, placeholders) of every row selected in this session, keyed by row id. A row's
+    time is almost all its command's start-up (imports, one core), so the commands run a few at
+    a time, once, when the first row asks, rather than one after another; each row still has
+    its own process, its own {O} and MLflow cache folders, and its own test and verdict."""
+    ids = [i.callspec.id for i in request.session.items
+           if i.module is request.module and i.originalname == TEST]  # fmt: skip
+    rows = {r[0]: r[1] for r in ROWS if r[0] in ids}
+    base = tmp_path_factory.mktemp("rows")
+
+    def run_row(row: str) -> tuple:
+        (base / row).mkdir()  # as tmp_path was: {O} itself is left for the command to make
+        where = {"S": tiny_shards, "IDX": tiny_shards.parent / "idx", "B": bad,
+                 "O": base / row / "out", **store}  # fmt: skip
+        env = {"SSL_VIT_MLFLOW_CACHE": str(base / row / "mlflow-cache")}  # never the user's
+        return run_cli([a.format(**where) for a in rows[row]], timeout=300, env=env), where
+
+    with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
+        return dict(zip(rows, pool.map(run_row, rows), strict=True))
+
+
 @pytest.mark.parametrize("argv,code,message", PARAMS)
-def test_bad_input_is_one_line_error(argv, code, message, bad, store, tiny_shards, tmp_path):
-    where = {"S": tiny_shards, "IDX": tiny_shards.parent / "idx", "B": bad, "O": tmp_path / "out",
-             **store}  # fmt: skip
-    env = {"SSL_VIT_MLFLOW_CACHE": str(tmp_path / "mlflow-cache")}  # never the user's cache
-    proc = run_cli([a.format(**where) for a in argv], timeout=300, env=env)
+def test_bad_input_is_one_line_error(argv, code, message, outcomes, request):
+    proc, where = outcomes[request.node.callspec.id]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines, f"no message on stderr; stdout: {proc.stdout[-1000:]}"
