@@ -23,9 +23,10 @@ counts the decoded bytes once per rank against MEMORY_BUDGET.
 
 On a GPU (`device`), the decoded split is held in its memory and each batch is gathered,
 resampled and flipped there: on an H200 the same work on the host took 73% of each step of the
-hybrid preset (2,500 images/s; benchmarks/device_study.sh), a few milliseconds of Python-side
-tensor ops that oversubscribed host threads stretch to ~100. The augmentation draws are the
-same on either device; GPU resampling may round a pixel differently from the CPU's.
+hybrid preset (2,500 images/s; benchmarks/device_study.sh): small tensor ops whose time grows
+with busy host threads (on 2 busy cores here, 10.7 ms a batch with one thread, 106 with two).
+The augmentation draws are the same on either device; GPU resampling may round a pixel
+differently from the CPU's.
 """
 
 from __future__ import annotations

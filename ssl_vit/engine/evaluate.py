@@ -66,8 +66,7 @@ class EvalSplits:
     """The rank's part of each evaluation split, decoded once and kept (on the training device)
     when it fits EVAL_CACHE_BUDGET, else streamed every time. In-training evaluations repeat
     the same deterministic decode each time: on an H200 one of the Fashion-MNIST test split and
-    the held-out 2% took 4-5 s against ~0.1 s of forward passes, as long as an epoch of
-    training; on 2 CPU cores, about a third of each evaluation."""
+    the held-out 2% took 4-5 s, as long as an epoch of training (the hybrid preset)."""
 
     def __init__(self, root: str | Path, manifest: Manifest, img_size: int, rank: int,
                  world: int, num_workers: int, device: torch.device) -> None:  # fmt: skip
