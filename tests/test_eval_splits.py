@@ -40,14 +40,18 @@ def _score(batches, known: dict[bytes, int]) -> float:
                                autocast=False)  # fmt: skip
 
 
-def test_a_split_that_fits_is_decoded_once_and_scored_as_streamed(tmp_path: Path) -> None:
+def test_a_split_that_fits_is_decoded_once_and_scored_as_streamed(tmp_path: Path, monkeypatch):
     root = make_set(tmp_path / "set", [30, 10])
     splits = _splits(root)
     first = splits.batches("train", 0.2)  # the held-out part of train
     whole = _splits(root).batches("train", None)
     pairs = [(img, int(y)) for x, ys in whole for img, y in zip(x, ys, strict=True)]
     known = {img.numpy().tobytes(): y for img, y in pairs[::2]}  # every other sample's label
-    streamed = _score(_splits(root).batches("train", 0.2), known)
+    with monkeypatch.context() as m:  # the same split streamed: nothing kept
+        m.setattr(evaluate, "EVAL_CACHE_BUDGET", 0)
+        stream = _splits(root).batches("train", 0.2)
+        assert not isinstance(stream, list)
+        streamed = _score(stream, known)
     assert isinstance(first, list) and sum(len(y) for _, y in first) < 40
     shutil.move(root, tmp_path / "gone")  # a kept split reads no file again
     again = splits.batches("train", 0.2)
