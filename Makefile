@@ -39,8 +39,12 @@ quickstart: setup fashion-mnist $(SHARDS)/manifest.json
 	@echo "backbone: $(RUN)/export   kNN results: $(RUN)/knn.json"
 	@echo "MLflow:   $(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db  (http://127.0.0.1:5000)"
 
+# The suite runs on parallel workers (pytest-xdist), one test module per worker at a time:
+# most of its time is real launches (DeepSpeed ranks, MLflow servers) whose start-up uses one
+# core. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= auto
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	$(BIN)/ruff check .

@@ -21,6 +21,10 @@ import yaml
 from ssl_vit.io import atomic_write_text
 from ssl_vit.recipe import MPP, TARGETS
 
+# The objective kinds, by name only: validation must not import torch (a config error answers
+# in a fraction of a second, not after the seconds torch and timm take to load). The registry
+# in ssl_vit.objectives refuses to load unless its kinds are exactly these.
+OBJECTIVE_KINDS = ("mpp", "supervised", "joint", "finetune", "cascade")
 FINETUNE_KINDS = ("finetune", "cascade")  # objectives evals/finetune.py trains
 
 
@@ -300,11 +304,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Checks that need no data; `engine.preflight.check_data` does the rest with the shards."""
-    from ssl_vit.objectives import OBJECTIVES  # the registry (imports torch)
-
     m, o, t = cfg.model, cfg.objective, cfg.train
-    if o.kind not in OBJECTIVES:
-        raise ConfigError(f"objective.kind={o.kind!r}: choose one of {', '.join(OBJECTIVES)}")
+    if o.kind not in OBJECTIVE_KINDS:
+        raise ConfigError(f"objective.kind={o.kind!r}: choose one of {', '.join(OBJECTIVE_KINDS)}")
     if o.kind == "cascade":
         _check_cascade_sizes(o.cascade_sizes, m.img_size)
     if cfg.optim.name not in ("adamw", "sgd"):

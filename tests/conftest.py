@@ -26,6 +26,28 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# The modules that take longest (each several real launches; seconds on 2 cores, run alone),
+# collected first: `make test` runs the suite on parallel workers one module per worker at a
+# time (pytest-xdist --dist loadfile), and a long module that starts last finishes last.
+LONGEST_FIRST = (
+    "test_train_e2e",  # 280 s
+    "test_zero",  # 270 s
+    "test_faults",  # 215 s
+    "test_bad_inputs",  # 130 s
+    "test_dynamic_vit",  # 135 s
+    "test_mlflow_native",  # 115 s
+    "test_mixer_e2e",  # 85 s
+    "test_compile",  # 45 s
+    "test_tracking",  # 35 s
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # sort() is stable: tests keep their order within a module, other modules theirs after
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))
+
+
 def write_idx(folder: Path, prefix: str, images: np.ndarray, labels: np.ndarray, gz: bool = True):
     """Write MNIST-format IDX files `{prefix}-images-idx3-ubyte[.gz]` and the labels beside."""
     folder.mkdir(parents=True, exist_ok=True)

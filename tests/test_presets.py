@@ -36,3 +36,30 @@ def test_fmnist_pretraining_presets_build_and_step(path, tiny_shards):
     loss, _ = objective(torch.rand(2, 1, size, size), torch.zeros(2, dtype=torch.long))
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_config_errors_answer_before_torch_loads(tmp_path):
+    """Validation and the data checks import neither torch nor timm (seconds on a small
+    machine): a bad value or shard set is reported at once, and every kind the config accepts
+    is one the objectives' registry builds."""
+    import subprocess
+    import sys
+
+    from ssl_vit.config import OBJECTIVE_KINDS
+    from ssl_vit.objectives import OBJECTIVES
+
+    assert tuple(OBJECTIVES) == OBJECTIVE_KINDS
+    probe = (
+        "import sys\n"
+        "from ssl_vit.config import ConfigError, load_config\n"
+        "from ssl_vit.engine.cli import main\n"
+        f"for kind in {OBJECTIVE_KINDS!r}:\n"
+        "    load_config(None, [f'objective.kind={kind}', 'model.img_size=56', 'train.steps=3'])\n"
+        f"code = main('mpp', 'x', ['data.root={tmp_path}', 'train.steps=3', '--check'])\n"
+        "assert code == 2, code\n"
+        "print(sorted(m for m in ('torch', 'timm', 'deepspeed', 'mlflow') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "manifest.json: not found" in proc.stderr
+    assert proc.stdout.strip() == "[]"

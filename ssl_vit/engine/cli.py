@@ -100,8 +100,6 @@ def _world_sizes(text: str | None, world: int) -> list[int]:
 
 def _check(cfg, args, world: int) -> int:
     """--check: the config against each launch size (and the data unless --no-data)."""
-    from ssl_vit.engine.memory import describe, estimate  # timm: imported only here
-
     sizes = _world_sizes(args.world_sizes, world)
     in_chans = cfg.model.in_chans or 3
     for n in sizes:
@@ -109,6 +107,10 @@ def _check(cfg, args, world: int) -> int:
         if not args.no_data:
             manifest, _, _ = check_data(cfg, n)
             in_chans = cfg.model.in_chans or manifest.channels
+    # timm loads only now: a bad value or shard set answers before it (check_model loads it
+    # itself when the data is checked).
+    from ssl_vit.engine.memory import describe, estimate
+
     precision = "fp32" if cfg.train.precision == "fp32" else "bf16"  # on a GPU
     for n in sizes:
         if not cfg.model.init_from:

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from ssl_vit.config import OBJECTIVE_KINDS
 from ssl_vit.objectives.cascade import CascadeObjective
 from ssl_vit.objectives.mpp import MaskedPatchPrediction, MPPPrediction
 from ssl_vit.objectives.param_groups import no_weight_decay_names, param_groups
@@ -52,7 +53,8 @@ def _finetune(backbone: nn.Module, **cfg: Any) -> SupervisedObjective:
 
 
 # The registry: kind -> (builder, the classes whose keyword arguments are its options). A new
-# objective is one line here; the config's validation reads the kinds from it.
+# objective is one line here and its name in ssl_vit.config.OBJECTIVE_KINDS (which validation
+# reads without importing torch).
 OBJECTIVES: dict[str, tuple[Callable[..., nn.Module], tuple[Any, ...]]] = {
     "mpp": (MaskedPatchPrediction, (MaskedPatchPrediction,)),
     "supervised": (SupervisedObjective, (SupervisedObjective,)),
@@ -60,6 +62,11 @@ OBJECTIVES: dict[str, tuple[Callable[..., nn.Module], tuple[Any, ...]]] = {
     "finetune": (_finetune, (SupervisedObjective,)),
     "cascade": (CascadeObjective, (CascadeObjective,)),
 }
+if tuple(OBJECTIVES) != OBJECTIVE_KINDS:
+    raise ImportError(
+        f"ssl_vit.objectives registers {tuple(OBJECTIVES)} but ssl_vit.config.OBJECTIVE_KINDS "
+        f"is {OBJECTIVE_KINDS}; name each objective in both"
+    )
 
 
 def _keywords(cls: type) -> set[str]:
