@@ -33,8 +33,8 @@ LONGEST_FIRST = (
     "test_train_e2e",  # 280 s
     "test_zero",  # 270 s
     "test_faults",  # 215 s
-    "test_bad_inputs",  # 130 s
     "test_dynamic_vit",  # 135 s
+    "test_bad_inputs",  # 130 s
     "test_mlflow_native",  # 115 s
     "test_mixer_e2e",  # 85 s
     "test_compile",  # 45 s

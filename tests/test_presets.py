@@ -51,7 +51,7 @@ def test_config_errors_answer_before_torch_loads(tmp_path):
     assert tuple(OBJECTIVES) == OBJECTIVE_KINDS
     probe = (
         "import sys\n"
-        "from ssl_vit.config import ConfigError, load_config\n"
+        "from ssl_vit.config import load_config\n"
         "from ssl_vit.engine.cli import main\n"
         f"for kind in {OBJECTIVE_KINDS!r}:\n"
         "    load_config(None, [f'objective.kind={kind}', 'model.img_size=56', 'train.steps=3'])\n"
