@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ssl_vit import startup
 from ssl_vit.evaluation.cli import add_verbose_arg, run_main
-from ssl_vit.evaluation.dynamic_run import evaluate, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.holdout_fraction < 0.5 or args.num_budgets < 2 or args.grid < 2:
         p.error("--holdout-fraction must be in (0, 0.5), --num-budgets and --grid >= 2")
+    from ssl_vit.evaluation.dynamic_run import evaluate, report  # torch loads only now
+
     report(args, evaluate(args))
     return 0
 
 
 if __name__ == "__main__":
+    startup.begin()  # no GC passes over the modules it loads (ssl_vit/startup.py)
     sys.exit(run_main(main))

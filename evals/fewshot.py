@@ -9,8 +9,9 @@ import argparse
 import sys
 import time
 
+from ssl_vit import startup
 from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
-from ssl_vit.evaluation.fewshot import DEFAULT_SHOTS, fewshot_eval
+from ssl_vit.evaluation.options import DEFAULT_SHOTS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.shots) < 1 or args.seeds < 1 or (args.l2 is not None and args.l2 <= 0):
         p.error("--shots and --seeds must be >= 1 and --l2 > 0")
+    from ssl_vit.evaluation.fewshot import fewshot_eval  # torch loads only now
+
     t0 = time.perf_counter()
     bb, train, test = features_from_args(args)
     metrics = fewshot_eval(
@@ -50,4 +53,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup.begin()  # no GC passes over the modules it loads (ssl_vit/startup.py)
     sys.exit(run_main(main))

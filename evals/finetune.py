@@ -14,7 +14,9 @@ split is held out (data.holdout_fraction) and chooses the best epoch (RUN/export
 
 import sys
 
+from ssl_vit import startup
 from ssl_vit.engine.cli import main
 
 if __name__ == "__main__":
+    startup.begin()  # no GC passes over the modules it loads (ssl_vit/startup.py)
     sys.exit(main("finetune", __doc__.splitlines()[0]))

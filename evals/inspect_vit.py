@@ -17,20 +17,17 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
+from ssl_vit import startup
 from ssl_vit.data.manifest import check_shards_exist, load_manifest
-from ssl_vit.data.stream import make_eval_loader
 from ssl_vit.evaluation.cli import add_verbose_arg, run_main
 from ssl_vit.evaluation.report import pretrain_run_id
-from ssl_vit.inspect import inspect_model
-from ssl_vit.models import build_backbone, load_backbone, token_geometry
-from ssl_vit.objectives import MaskedPatchPrediction
-from ssl_vit.objectives.export import load_objective
 from ssl_vit.tracking import Tracker
 from ssl_vit.tracking.artifacts import resolve_export
+
+if TYPE_CHECKING:  # torch, timm and matplotlib load after the arguments parse
+    import torch
 
 log = logging.getLogger("inspect_vit")
 
@@ -54,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--img-size", type=int, default=None, help="input size (default: the model's)")
     p.add_argument("--patch-size", type=int, default=None, help="with --random-init")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--experiment", default="inspect", help="MLflow experiment name")
     p.add_argument("--seed", type=int, default=0, help="seed of the MPP corruption shown")
     p.add_argument("--no-mpp", action="store_true", help="skip the MPP predictions panel")
@@ -65,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def read_images(data: Path, split: str, n: int, size: int, batch: int) -> torch.Tensor:
     """The first n images of the split, in order, as (n, C, size, size) float in [0, 1]."""
+    import torch
+
+    from ssl_vit.data.stream import make_eval_loader
+
     loader = make_eval_loader(data, split, batch_size=batch, img_size=size, num_workers=0)
     out, got = [], 0
     for images, _ in loader:
@@ -79,6 +80,9 @@ def read_images(data: Path, split: str, n: int, size: int, batch: int) -> torch.
 
 def load_mpp_objective(path: Path, model: torch.nn.Module, mean, std) -> torch.nn.Module | None:
     """The MPP objective exported beside the backbone ([mask] token and head), or None."""
+    from ssl_vit.objectives import MaskedPatchPrediction
+    from ssl_vit.objectives.export import load_objective
+
     objective = load_objective(path, model, mean, std)
     objective = getattr(objective, "mpp", objective)  # a joint objective's MPP half
     if not isinstance(objective, MaskedPatchPrediction):
@@ -91,6 +95,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     manifest = load_manifest(args.data)
     check_shards_exist(manifest, args.split)
+    import numpy as np  # torch, timm and matplotlib load once the arguments and data check out
+    import torch
+
+    from ssl_vit.inspect import inspect_model
+    from ssl_vit.models import build_backbone, load_backbone, token_geometry
+    from ssl_vit.objectives import MaskedPatchPrediction
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     parent_run, mpp = None, None
     if args.backbone is not None:
         source = resolve_export(args.backbone)  # a path, or an MLflow URI (downloaded, cached)
@@ -123,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.to(args.device)
     if mpp is not None:
         mpp.to(args.device)
+    startup.ready()  # the model is loaded: later GC passes skip it (ssl_vit/startup.py)
     images = read_images(args.data, args.split, args.num_images, size, args.batch_size)
     log.info("inspecting %s on %d %s images of %s", name, len(images), args.split, args.data)
     summary = inspect_model(
@@ -164,4 +177,5 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup.begin()  # no GC passes over the modules it loads (ssl_vit/startup.py)
     sys.exit(run_main(cli))  # bad input: a one-line error, exit 2

@@ -11,8 +11,9 @@ import argparse
 import sys
 import time
 
+from ssl_vit import startup
 from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
-from ssl_vit.evaluation.knn import DEFAULT_KS, DEFAULT_T, INDEX_KINDS, knn_eval
+from ssl_vit.evaluation.options import DEFAULT_KS, DEFAULT_T, INDEX_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.k) < 1 or args.temperature <= 0:
         p.error("--k values must be >= 1 and --temperature > 0")
+    from ssl_vit.evaluation.knn import knn_eval  # torch and FAISS load only now
+
     t0 = time.perf_counter()
     bb, train, test = features_from_args(args)
     metrics = knn_eval(
@@ -58,4 +61,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup.begin()  # no GC passes over the modules it loads (ssl_vit/startup.py)
     sys.exit(run_main(main))

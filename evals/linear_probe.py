@@ -14,13 +14,9 @@ import argparse
 import sys
 import time
 
+from ssl_vit import startup
 from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
-from ssl_vit.evaluation.linear_probe import (
-    DEFAULT_L2_GRID,
-    DEFAULT_LR_GRID,
-    linear_probe_eval,
-    mae_probe_eval,
-)
+from ssl_vit.evaluation.options import DEFAULT_L2_GRID, DEFAULT_LR_GRID
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.val_fraction < 1:
         p.error("--val-fraction must be in (0, 1)")
+    from ssl_vit.evaluation.linear_probe import linear_probe_eval, mae_probe_eval  # torch: now
+
     t0 = time.perf_counter()
     bb, train, test = features_from_args(args)
     data = (train.features, train.labels, test.features, test.labels)
@@ -98,4 +96,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    startup.begin()  # no GC passes over the modules it loads (ssl_vit/startup.py)
     sys.exit(run_main(main))

@@ -8,7 +8,9 @@ Every option is a config key, overridable as key=value; --help lists the flags.
 
 import sys
 
+from ssl_vit import startup
 from ssl_vit.engine.cli import main
 
 if __name__ == "__main__":
+    startup.begin()  # no GC passes over the modules it loads (ssl_vit/startup.py)
     sys.exit(main("mpp", __doc__.splitlines()[0]))

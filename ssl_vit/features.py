@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ssl_vit import readout
 from ssl_vit.data.manifest import MANIFEST_NAME, load_manifest
+from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR
 from ssl_vit.io import atomic_write_bytes, sha256_file
 from ssl_vit.readout import POOLS, readout_name
 
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 # patch tokens instead.
 CLS_TRAINING_OBJECTIVES = ("supervised", "joint", "finetune", "cascade")
 CACHE_FORMAT = 1
-DEFAULT_CACHE_DIR = ".cache/features"
 
 
 class FeatureError(ValueError):

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ssl_vit.evaluation.options import POOLS
+
 __all__ = [
     "POOLS",
     "depth_of",
@@ -26,10 +28,6 @@ __all__ = [
     "readout_name",
     "last_n_cls",
 ]
-
-# auto: [class] when the pretraining trained it, else mean (ssl_vit.features.resolve_pool);
-# tokens: the patch tokens concatenated in grid order, (B, N*D): the spatial layout kept.
-POOLS = ("auto", "cls", "mean", "lastn", "tokens")
 
 
 def depth_of(model: nn.Module) -> int:

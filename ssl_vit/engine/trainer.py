@@ -28,6 +28,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
+from ssl_vit import startup
 from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, save_config
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
@@ -296,6 +297,7 @@ def train(cfg: Config, header: str = "") -> Path:
         cfg, s.manifest, s.spec, s.rank, s.world, s.loader.steps_per_epoch,
         s.total_steps, s.cpu_autocast, state, export=s.export,
     )  # fmt: skip
+    startup.ready()  # everything is loaded: later GC passes skip it (ssl_vit/startup.py)
     with tracker:  # ends the MLflow run as FAILED (or KILLED) if training raises
         for images, labels, t_data in _batches(s.loader, n, s.total_steps):
             torch.manual_seed(cfg.run.seed * 1_000_003 + s.rank * 7_919 + n.step)

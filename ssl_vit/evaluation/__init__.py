@@ -1,20 +1,31 @@
-"""Evaluators on frozen features: kNN (FAISS), few-shot ridge, linear probe; results reporting."""
+"""Evaluators on frozen features: kNN (FAISS), few-shot ridge, linear probe; results reporting.
 
-from ssl_vit.evaluation.fewshot import fewshot_eval, ridge_fit
-from ssl_vit.evaluation.knn import knn_eval, knn_vote, map_at_r, recall_at_k
-from ssl_vit.evaluation.linear_probe import linear_probe_eval, mae_probe_eval
-from ssl_vit.evaluation.report import format_table, log_to_mlflow, write_results
+The names load on first use (PEP 562): the entry scripts import `ssl_vit.evaluation.options`
+and `.cli` to parse their arguments, which must not load torch and FAISS on the way.
+"""
 
-__all__ = [
-    "knn_eval",
-    "knn_vote",
-    "map_at_r",
-    "recall_at_k",
-    "fewshot_eval",
-    "ridge_fit",
-    "linear_probe_eval",
-    "mae_probe_eval",
-    "format_table",
-    "log_to_mlflow",
-    "write_results",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "knn_eval": "knn",
+    "knn_vote": "knn",
+    "map_at_r": "knn",
+    "recall_at_k": "knn",
+    "fewshot_eval": "fewshot",
+    "ridge_fit": "fewshot",
+    "linear_probe_eval": "linear_probe",
+    "mae_probe_eval": "linear_probe",
+    "format_table": "report",
+    "log_to_mlflow": "report",
+    "write_results": "report",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

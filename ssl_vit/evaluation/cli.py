@@ -1,4 +1,8 @@
-"""What the evals/*.py entry scripts share: backbone/data arguments, features, reporting."""
+"""What the evals/*.py entry scripts share: backbone/data arguments, features, reporting.
+
+Importable without torch: the scripts parse their arguments first, so `--help` and a bad
+argument answer at once; torch, timm and FAISS load with the first feature work.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +11,17 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from ssl_vit import startup
 from ssl_vit.data.manifest import ManifestError, load_manifest
+from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR, POOLS
 from ssl_vit.evaluation.report import format_table, log_to_mlflow, pretrain_run_id, write_results
-from ssl_vit.features import (
-    DEFAULT_CACHE_DIR,
-    POOLS,
-    EvalBackbone,
-    FeatureError,
-    FeatureSet,
-    load_eval_backbone,
-    random_backbone,
-    raw_pixels_backbone,
-    resolve_pool,
-    split_features,
-)
 from ssl_vit.logs import setup_logging, wants_verbose
 from ssl_vit.tracking.artifacts import resolve_export
+
+if TYPE_CHECKING:
+    from ssl_vit.features import EvalBackbone, FeatureSet
 
 
 def add_verbose_arg(p: argparse.ArgumentParser) -> None:
@@ -119,6 +114,7 @@ def choose_readout(args: argparse.Namespace, bb: EvalBackbone, kw: dict[str, Any
     """--layer auto: set args.layer and args.pool to the read-out best on held-out training
     data, keeping every candidate's score in args.readout_selection for the results."""
     from ssl_vit.evaluation.readout_select import select_readout
+    from ssl_vit.features import FeatureError, resolve_pool
 
     pools: tuple[str, ...] = (args.pool,)
     if args.pool == "auto":  # [class] only where the pretraining trained it (resolve_pool)
@@ -141,6 +137,13 @@ def choose_readout(args: argparse.Namespace, bb: EvalBackbone, kw: dict[str, Any
 
 
 def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
+    from ssl_vit.features import (
+        FeatureError,
+        load_eval_backbone,
+        random_backbone,
+        raw_pixels_backbone,
+    )
+
     if args.backbone:
         resolved = resolve_export(args.backbone, tracking_uri=args.tracking_uri)
         bb = load_eval_backbone(resolved.path, img_size=args.img_size)
@@ -167,6 +170,10 @@ def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
 
 
 def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureSet, FeatureSet]:
+    import torch
+
+    from ssl_vit.features import resolve_pool, split_features
+
     manifest = load_manifest(args.data)
     for split in (args.train_split, args.test_split):  # fail before any model or feature work
         manifest.split(split)
@@ -183,6 +190,7 @@ def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureS
     if args.layer == "auto":
         choose_readout(args, bb, kw)
     args.pool = resolve_pool(bb, args.pool)  # recorded in the results as what was used
+    startup.ready()  # the models are loaded: later GC passes skip them (ssl_vit/startup.py)
     kw.update(pool=args.pool, layer=args.layer)
     train = split_features(bb, args.data, args.train_split, **kw)
     test = split_features(bb, args.data, args.test_split, **kw)
@@ -249,7 +257,7 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
     setup_logging(wants_verbose(argv), fmt="%(asctime)s %(name)s: %(message)s", datefmt=None)
     try:
         return main(argv)
-    except (FeatureError, ManifestError, FileNotFoundError, ValueError) as e:
+    except (ManifestError, FileNotFoundError, ValueError) as e:  # FeatureError is a ValueError
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
         return 2

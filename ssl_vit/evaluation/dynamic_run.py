@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ssl_vit import startup
 from ssl_vit.data.manifest import load_manifest
 from ssl_vit.data.stream import make_eval_loader
 from ssl_vit.evaluation import dynamic
@@ -108,6 +109,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     manifest.split(args.test_split)
     size = cascade.sizes[-1]
     in_chans = int(meta["kwargs"]["in_chans"])
+    startup.ready()  # the model is loaded: later GC passes skip it (ssl_vit/startup.py)
 
     def loader(split: str, holdout: float | None):
         return make_eval_loader(args.data, split, batch_size=args.batch_size, img_size=size,

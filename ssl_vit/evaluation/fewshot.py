@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-DEFAULT_SHOTS = (1, 5, 10, 25)
+from ssl_vit.evaluation.options import DEFAULT_SHOTS
+
 # The ridge strength is searched as l2 = alpha * tr(Xc Xc^T) (the centred features' total
 # energy), i.e. alpha on the per-example-averaged loss relative to the feature scale, so one
 # grid serves 64-d and 768-d features and 10 or 25000 examples alike.

@@ -22,12 +22,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ssl_vit.evaluation.options import DEFAULT_KS, DEFAULT_T, INDEX_KINDS
+
 if TYPE_CHECKING:
     import faiss
-
-DEFAULT_KS = (10, 20, 100, 200)
-DEFAULT_T = 0.07
-INDEX_KINDS = ("flat", "ivf", "hnsw")
 
 
 def _faiss():

@@ -23,9 +23,7 @@ from timm.optim import Lars
 from tqdm.auto import tqdm
 
 from ssl_vit.evaluation.knn import topk_accuracy
-
-DEFAULT_L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
-DEFAULT_LR_GRID = (1e-3, 1e-2)
+from ssl_vit.evaluation.options import DEFAULT_L2_GRID, DEFAULT_LR_GRID
 
 
 def _standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,24 @@
+"""The evaluators' choices and defaults, importable without torch.
+
+The evals/*.py scripts build their argument parsers from these, so `--help` and a bad argument
+answer before torch, timm or FAISS load (seconds); the evaluators import them from here too.
+"""
+
+from __future__ import annotations
+
+# Read-outs of a backbone (ssl_vit.readout). auto: [class] when the pretraining trained it, else
+# mean (ssl_vit.features.resolve_pool); tokens: the patch tokens concatenated in grid order,
+# (B, N*D): the spatial layout kept.
+POOLS = ("auto", "cls", "mean", "lastn", "tokens")
+DEFAULT_CACHE_DIR = ".cache/features"  # ssl_vit.features: extracted features, by identity
+
+# kNN (DINO's protocol): neighbour counts, vote temperature, FAISS index kinds
+DEFAULT_KS = (10, 20, 100, 200)
+DEFAULT_T = 0.07
+INDEX_KINDS = ("flat", "ivf", "hnsw")
+
+DEFAULT_SHOTS = (1, 5, 10, 25)  # few-shot examples per class (ViT paper, sec. 4.1)
+
+# Linear probe: L2 strengths (L-BFGS) / weight decays (AdamW), and AdamW learning rates
+DEFAULT_L2_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+DEFAULT_LR_GRID = (1e-3, 1e-2)
