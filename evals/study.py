@@ -240,4 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ssl_vit import startup
+
+    startup.begin(pause_gc=False)  # MLflow telemetry off by default (ssl_vit/startup.py)
     sys.exit(main())

@@ -1,4 +1,11 @@
-"""Process start-up and exit without the cyclic garbage collector walking what was imported.
+"""What an entry script does before it loads the heavy libraries.
+
+1. MLflow's usage telemetry is off unless the user turns it on. MLflow 3 sends usage events
+   to its makers' servers by default; a training or evaluation job of ours should not talk to
+   a third party its user did not name. MLFLOW_DISABLE_TELEMETRY=false opts back in. Set before
+   MLflow is imported (DeepSpeed imports it), since MLflow reads it then.
+
+2. No cyclic garbage collection over what the imports load.
 
 Importing torch, timm, DeepSpeed and MLflow creates millions of long-lived Python objects, and
 CPython's collector walks all of them at each full collection: several times while they load and
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 
 __all__ = ["begin", "ready"]
 
@@ -25,12 +33,14 @@ _paused = False
 _resumed = False  # ready() ran: the process is past its start-up
 
 
-def begin() -> None:
-    """Pause cyclic collection while the modules load; freeze the heap at interpreter exit.
+def begin(pause_gc: bool = True) -> None:
+    """MLflow telemetry off by default; with `pause_gc`, pause cyclic collection while the
+    modules load and freeze the heap at interpreter exit (then call `ready()`).
 
     Call from an entry script's `__main__` block only: it changes the whole process."""
     global _paused
-    if _paused or _resumed or not gc.isenabled():
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if not pause_gc or _paused or _resumed or not gc.isenabled():
         return
     gc.disable()
     _paused = True

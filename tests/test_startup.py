@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -68,3 +69,25 @@ def test_eval_scripts_answer_bad_arguments_before_torch_loads(tmp_path):
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         assert proc.stdout.strip() == "2 []", (script, proc.stdout, proc.stderr)
         assert words in proc.stderr, (script, proc.stderr)
+
+
+def test_mlflow_telemetry_is_off_unless_the_user_turns_it_on():
+    """MLflow 3 sends usage events to its makers by default; our entry scripts switch that off
+    before MLflow loads, and leave a user's own MLFLOW_DISABLE_TELEMETRY alone."""
+    probe = (
+        "from ssl_vit import startup\n"
+        "startup.begin(pause_gc=False)\n"
+        "import mlflow\n"
+        "from mlflow.telemetry.client import get_telemetry_client\n"
+        "print(get_telemetry_client() is not None)\n"
+    )
+    # MLflow itself stays quiet under a test runner or CI: run the probe outside of both
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "CI")}
+    env.pop("MLFLOW_DISABLE_TELEMETRY", None)
+    for opt_in, want in ((None, "False"), ("false", "True")):
+        if opt_in is not None:
+            env["MLFLOW_DISABLE_TELEMETRY"] = opt_in
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip() == want, (opt_in, proc.stdout)
