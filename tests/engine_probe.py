@@ -69,6 +69,7 @@ def skip_under_zero2() -> dict:
     step(engine, optimizer, skip=False)
     after_step = masters(engine)
     return {
+        "throughput_timer": engine.tput_timer.config.enabled,  # it syncs the device every step
         "param_groups": len(optimizer.param_groups),
         "tensors_changed_by_skipped_step": sum(
             not torch.equal(a, b) for a, b in zip(before, after_skip, strict=True)
