@@ -17,8 +17,10 @@ while the modules load.
 So an entry script's `__main__` block calls `begin()` before it loads the heavy modules, and the
 job calls `ready()` where its real work starts: what is loaded by then is frozen out of later
 collections (`gc.freeze`) and collection resumes, so a long run still frees the reference cycles
-it makes. Both are no-ops in a process that did not call `begin()` (the library imported by a
-user's program or by the tests keeps the collector as it found it).
+it makes. The price: cyclic garbage left by the imports is kept, not freed (peak memory of the
+quickstart's pretraining 1.37 -> 1.39 GB; of the tiny run 1.12 -> 1.16 GB). Both are no-ops in
+a process that did not call `begin()` (the library imported by a user's program or by the
+tests keeps the collector as it found it).
 """
 
 from __future__ import annotations
