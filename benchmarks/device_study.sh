@@ -43,7 +43,16 @@ setsid $PY evals/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_s0 >"$LOGS
 A=$!
 setsid $PY evals/study.py run --only scratch_hybrid_gpu_s0 >"$LOGS/chain_scratch.log" 2>&1 &
 B=$!
+nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv -l 10 >"$LOGS/gpu_util.csv" 2>&1 &
+PROFILED=
 while kill -0 $A 2>/dev/null || kill -0 $B 2>/dev/null; do
+    # Where a training step's host time goes: 15 s of the from-scratch run, idle time included
+    # (a wait on the GPU shows as such), if py-spy travelled with the wheels.
+    if [ -z "$PROFILED" ] && [ "$(elapsed)" -ge 120 ] && [ -x /tmp/site/bin/py-spy ]; then
+        P=$(pgrep -f "supervised_pretrain.py.*scratch_hybrid_gpu" | head -1)
+        [ -n "$P" ] && PROFILED=1 && /tmp/site/bin/py-spy record --pid "$P" --duration 15 \
+            --rate 250 --idle --format raw -o "$OUT/pyspy_scratch.txt" >"$LOGS/pyspy.log" 2>&1 &
+    fi
     if [ "$(elapsed)" -ge "$BUDGET" ]; then
         echo "budget reached at $(elapsed) s: stopping the chains"
         kill -TERM -- -$A -$B 2>/dev/null  # each chain is a session: its training goes too
@@ -68,7 +77,7 @@ fi
 tar -czf "$OUT/results.tgz" results/study/*_gpu* 2>/dev/null
 tar -czf "$OUT/logs.tgz" runs/study/logs "$LOGS" runs/study/*_gpu*/metrics.jsonl \
     runs/study/*_gpu*/config.yaml 2>/dev/null
-for e in export export_epoch10 export_epoch20 export_epoch40; do
+for e in export_epoch10 export_epoch20 export_epoch40; do  # export/ is export_epoch40
     d=runs/study/mpp_hybrid_gpu/$e
     [ -f "$d/objective.json" ] && tar -czf "$OUT/mpp_hybrid_gpu.$e.tgz" "$d"
 done

@@ -35,6 +35,7 @@ from study_steps import (  # noqa: F401  (Step, STUDY, ...: what tests and tools
     FINETUNE_RECIPES,
     GPU_FINETUNE_EPOCHS,
     GPU_PRETRAIN_EPOCHS,
+    GPU_RUN,
     GPU_SCRATCH_EPOCHS,
     GPU_SNAPSHOTS,
     HYBRID,
@@ -199,11 +200,11 @@ def gpu_track(py: str) -> list[Step]:
     GPU (benchmarks/device_study.sh), the exported features evaluated anywhere."""
     mpp = "mpp_hybrid_gpu"
     steps = [
-        scratch(SEEDS[0], GPU_SCRATCH_EPOCHS, "scratch_hybrid_gpu", *HYBRID, *EAGER),
+        scratch(SEEDS[0], GPU_SCRATCH_EPOCHS, "scratch_hybrid_gpu", *HYBRID, *GPU_RUN),
         pretrain(
-            mpp, MPP, py, *HYBRID, *EAGER, epochs=GPU_PRETRAIN_EPOCHS, snapshots=GPU_SNAPSHOTS
+            mpp, MPP, py, *HYBRID, *GPU_RUN, epochs=GPU_PRETRAIN_EPOCHS, snapshots=GPU_SNAPSHOTS
         ),  # fmt: skip
-        finetune(mpp, SEEDS[0], GPU_FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}", HYBRID[1], *EAGER),
+        finetune(mpp, SEEDS[0], GPU_FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}", HYBRID[1], *GPU_RUN),
     ]
     for step in steps:
         step.gpu = True
