@@ -210,11 +210,15 @@ def gpu_track(py: str) -> list[Step]:
         step.gpu = True
     return [
         *steps,
-        *evals(
-            f"{mpp}_e{GPU_PRETRAIN_EPOCHS}_readout",
-            ["--backbone", str(STUDY / mpp / f"export_epoch{GPU_PRETRAIN_EPOCHS}"), *READOUT],
-            (mpp,),
-        ),  # fmt: skip
+        *(  # the last first: the others draw the curve against pretraining length
+            step
+            for e in sorted(GPU_SNAPSHOTS, reverse=True)
+            for step in evals(
+                f"{mpp}_readout_e{e}",  # named like snapshot_evals' steps: the report reads both
+                ["--backbone", str(STUDY / mpp / f"export_epoch{e}"), *READOUT],
+                (mpp,),
+            )
+        ),
     ]
 
 

@@ -23,6 +23,7 @@ from study_results import (
     readout_label,
 )
 from study_tables import (
+    GPU_ARMS,
     HIRES_ARM,
     HYBRID_ARMS,
     LONG_ARMS,
@@ -40,7 +41,8 @@ REFERENCES = [  # Fashion-MNIST README (zalandoresearch/fashion-mnist)
     ("ResNet18", 94.9), ("WRN-40-4", 96.7),
 ]  # fmt: skip
 # a pretraining's random-init baseline, where not "random"
-RANDOM_OF = {"mpp_p4": "random_p4", "mpp_hybrid": "random_hybrid"}
+RANDOM_OF = {"mpp_p4": "random_p4", "mpp_hybrid": "random_hybrid",
+             "mpp_hybrid_gpu_readout": "random_hybrid_readout"}  # fmt: skip
 # frozen features with the read-out chosen on held-out (--layer auto) -> its random baseline
 READOUTS = (
     ("6-epoch run", "mpp_e6_readout", "random_readout"),
@@ -92,7 +94,8 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
     single = (("longer schedule", arms["mpp_long"]), ("at 42 px", [HIRES_ARM]),
               ("4x4 patches", [P4_ARMS[0]]),
               ("longer schedule, 2-px shifts", [SHIFT_ARMS[0]]),
-              ("the paper's hybrid", [HYBRID_ARMS[0]]))  # fmt: skip
+              ("the paper's hybrid", [HYBRID_ARMS[0]]),
+              ("the paper's hybrid, GPU budget", [GPU_ARMS[0]]))  # fmt: skip
     for label, steps in single:
         if scores := arm_scores(r, steps):
             m, n = 100 * mean_std(scores)[0], len(scores)
@@ -105,7 +108,8 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
     pairs = (("longer schedule", arms["mpp_long"], arms["scratch_long"]),
              ("4x4 patches", [P4_ARMS[0]], [P4_ARMS[1]]),
              ("longer schedule, 2-px shifts", [SHIFT_ARMS[0]], [SHIFT_ARMS[1]]),
-             ("the paper's hybrid", [HYBRID_ARMS[0]], [HYBRID_ARMS[1]]))  # fmt: skip
+             ("the paper's hybrid", [HYBRID_ARMS[0]], [HYBRID_ARMS[1]]),
+             ("the paper's hybrid, GPU budget", [GPU_ARMS[0]], [GPU_ARMS[1]]))  # fmt: skip
     for label, ft, base in pairs:
         a, b = arm_scores(r, ft), arm_scores(r, base)
         if not a or not b:
@@ -175,6 +179,8 @@ def _log_figures(study: Path, root: Path, figures: list[Path]) -> None:
 def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  epochs: tuple[int, ...], seeds: tuple[int, ...]) -> None:  # fmt: skip
     from study_steps import (
+        GPU_PRETRAIN_EPOCHS,
+        GPU_SNAPSHOTS,
         LONG_FINETUNE_EPOCHS,
         LONG_PRETRAIN_EPOCHS,
         LONG_SNAPSHOTS,
@@ -191,7 +197,9 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                     (f"{LONG_PRETRAIN_EPOCHS}-epoch run, 2-px shifts", "mpp_long_shift",
                      LONG_SNAPSHOTS[-1:]),
                     (f"{epochs[-1]}-epoch run, the paper's hybrid", "mpp_hybrid",
-                     epochs[-1:])]  # fmt: skip
+                     epochs[-1:]),
+                    (f"{GPU_PRETRAIN_EPOCHS}-epoch run on a GPU, the paper's hybrid, read-out "
+                     "chosen on held-out", "mpp_hybrid_gpu_readout", GPU_SNAPSHOTS)]  # fmt: skip
     arms = {
         "mpp": [f"ft_mpp_s{s}" for s in seeds],
         "supervised": [f"ft_supervised_s{s}" for s in seeds],
@@ -264,7 +272,9 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  ("MPP, fine-tuned, longer schedule, 2-px shifts", SHIFT_ARMS[0]),
                  ("from scratch, longer schedule, 2-px shifts", SHIFT_ARMS[1]),
                  ("MPP, fine-tuned, the paper's hybrid", HYBRID_ARMS[0]),
-                 ("from scratch, the paper's hybrid", HYBRID_ARMS[1])]  # fmt: skip
+                 ("from scratch, the paper's hybrid", HYBRID_ARMS[1]),
+                 ("MPP, fine-tuned, the paper's hybrid, GPU budget", GPU_ARMS[0]),
+                 ("from scratch, the paper's hybrid, GPU budget", GPU_ARMS[1])]  # fmt: skip
     figures = [
         curve_figure(r, root / results / "pretraining_curve.png", pretrainings),
         loss_figure(r, root / results / "finetune_loss.png",

@@ -26,13 +26,16 @@ from ssl_vit.perf import describe_machine
 
 
 def _git_commit(root: Path) -> str | None:
-    """HEAD, or $SSL_VIT_GIT_COMMIT where the tree is a copy without git (a lent GPU machine)."""
+    """$SSL_VIT_GIT_COMMIT where set (a lent GPU machine's copy of the tree may carry a stale
+    .git: it reported the session's first HEAD, not the commit that travelled), else HEAD."""
+    if os.environ.get("SSL_VIT_GIT_COMMIT"):
+        return os.environ["SSL_VIT_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True).stdout.strip()  # fmt: skip
     except OSError:
         out = ""
-    return out or os.environ.get("SSL_VIT_GIT_COMMIT") or None
+    return out or None
 
 
 def _metric_lines(run_dir: Path, output: dict) -> Path | None:
@@ -156,8 +159,16 @@ def _set_aside(step, root: Path) -> None:
         print(f"[study] {step.name}: stale result; {old} moved to {dest}", flush=True)
 
 
-def record(step, root: Path, seconds: float | None) -> dict:
-    """Write the step's result (and metric lines) under results/study/."""
+def _has_checkpoints(step, root: Path) -> bool:
+    """Whether the step's training left checkpoints before this run (it resumes from them)."""
+    run = root / step.run_dir if step.run_dir is not None else None
+    return run is not None and any(p.is_dir() and any(p.iterdir())
+                                   for p in run.rglob("checkpoints"))  # fmt: skip
+
+
+def record(step, root: Path, seconds: float | None, resumed: bool = False) -> dict:
+    """Write the step's result (and metric lines) under results/study/. `seconds` is the wall
+    time of this run of the command: of its last leg only where it `resumed`."""
     output = _read_output(step, root)
     run_id = output.get("mlflow_run_id")
     if run_id is None and step.run_dir and (root / step.run_dir / "mlflow_run_id").is_file():
@@ -167,6 +178,7 @@ def record(step, root: Path, seconds: float | None) -> dict:
         "command": shlex_join(step.args()),
         "recipe": recipe(step, root),
         "seconds": seconds,
+        "resumed": resumed,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "result_id": uuid.uuid4().hex,  # what the results of steps that read this one name
         "git_commit": _git_commit(root),
@@ -202,6 +214,7 @@ def _execute(step, root: Path, study: Path, parents, keep_result: bool = False) 
     log.parent.mkdir(parents=True, exist_ok=True)
     argv = step.args()
     print(f"[study] {step.name}: {shlex_join(argv)}  (log: {log})", flush=True)
+    resumed = _has_checkpoints(step, root)
     t0 = time.time()
     with open(log, "a") as f:
         env = study_mlflow.parent_env(parents, step.name)  # the step's run nests under it
@@ -213,7 +226,7 @@ def _execute(step, root: Path, study: Path, parents, keep_result: bool = False) 
     if keep_result:
         print(f"[study] {step.name}: export rebuilt; its result stands", flush=True)
         return 0
-    record(step, root, seconds)
+    record(step, root, seconds, resumed)
     study_mlflow.log_step(parents, step.name, root / step.output)
     return 0
 

@@ -14,6 +14,7 @@ HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher reso
 P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid's two trainings (plan)
 SHIFT_ARMS = ("ft_mpp_long_shift_s0", "scratch_long_shift_s0")  # the longer schedule, 2-px shifts
 HYBRID_ARMS = ("ft_mpp_hybrid_s0", "scratch_hybrid_s0")  # the paper's hybrid, main budget
+GPU_ARMS = ("ft_mpp_hybrid_gpu_s0", "scratch_hybrid_gpu_s0")  # the hybrid at the GPU budget
 
 
 def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
@@ -57,6 +58,12 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     lines.append(f"| {short}, the paper's hybrid (ResNet stem at 32 px, 2x2 patches of its "
                  f"8x8 map: 16 tokens, ~1.3x the compute per image) | {_pair(r, *HYBRID_ARMS)} | "
                  f"{_chosen(r, arms['mpp'][0])}, the 16-token sweep's (not swept) |")  # fmt: skip
+    from study_steps import GPU_FINETUNE_EPOCHS, GPU_PRETRAIN_EPOCHS
+
+    lines.append(f"| {GPU_PRETRAIN_EPOCHS} + {GPU_FINETUNE_EPOCHS} (seed 0), the paper's hybrid "
+                 f"on one GPU ({_gpu_of(r, GPU_ARMS[1])}; bf16, `train.precision=auto`'s choice "
+                 f"there) | {_pair(r, *GPU_ARMS)} | {_chosen(r, arms['mpp'][0])}, the 16-token "
+                 "sweep's (not swept) |")  # fmt: skip
     hires = r.output(HIRES_ARM)
     held = "pending" if hires is None else pct(hires["selection_best_top1"])
     lines.append(f"| {long}, fine-tuned at {HIRES} px (6x6 tokens, ~2.4x the fine-tuning "
@@ -70,6 +77,12 @@ def _pair(r: Results, finetune: str, scratch: str) -> str:
     a, b = r.selected(finetune), r.selected(scratch)
     gap = "-" if a is None or b is None else f"{100 * (a - b):+.2f}"
     return f"{pct(a)} | {pct(b)} | {gap}"
+
+
+def _gpu_of(r: Results, step: str) -> str:
+    """The GPU a step's result was measured on, as its machine line names it."""
+    res = r.get(step)
+    return "pending" if res is None else res["machine"].split("; ")[3]
 
 
 def _chosen(r: Results, sweep: str) -> str:
@@ -169,6 +182,8 @@ def steps_table(r: Results, plan: list) -> list[str]:
             continue
         secs = res.get("seconds")
         wall = "-" if secs is None else f"{secs / 60:.1f} min"
+        if res.get("resumed"):
+            wall += " (its last leg: resumed from a checkpoint)"
         lines.append(f"| {step.name} | `{res['command']}` | {res.get('mlflow_run_id') or '-'} "
                      f"| {wall} |")  # fmt: skip
     return lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import study_mlflow  # noqa: E402
 import study_report  # noqa: E402
 import study_run  # noqa: E402
 import study_steps  # noqa: E402
+from study_results import Results  # noqa: E402
 
 WRITE = "import json, sys, pathlib; p = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True); p.write_text(json.dumps({'metrics': {'v': 1}})); open(sys.argv[2], 'a').write('x')"  # noqa: E501
 
@@ -99,6 +101,31 @@ def test_a_failed_step_leaves_no_result_and_stops_the_study(tmp_path, monkeypatc
     (tmp_path / "calls").mkdir()
     assert study_run.run([bad, later], tmp_path, Path("runs/study")) == 3
     assert not (tmp_path / "results/study/bad.json").exists() and _calls(tmp_path, "later") == 0
+
+
+def test_a_resumed_step_says_its_time_is_the_last_leg(tmp_path, monkeypatch):
+    """A training that resumed from its checkpoints (a stopped lease, a new session) records
+    only its last leg's wall time: the result and the report's step table say so. The commit
+    a copied tree names in $SSL_VIT_GIT_COMMIT wins over what its .git says."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("SSL_VIT_GIT_COMMIT", "c0ffee" * 6 + "c0ff")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)  # a .git whose HEAD is another commit
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "stale"], check=True)
+    (tmp_path / "calls").mkdir()
+    fresh, resumed = _step("fresh", tmp_path), _step("again", tmp_path)
+    for step in (fresh, resumed):
+        step.run_dir = Path("runs/study") / step.name
+    (tmp_path / "runs/study/fresh/checkpoints").mkdir(parents=True)  # empty: nothing to resume
+    (tmp_path / "runs/study/again/checkpoints/step00000050").mkdir(parents=True)
+    assert study_run.run([fresh, resumed], tmp_path, Path("runs/study")) == 0
+    got = {n: json.loads((tmp_path / f"results/study/{n}.json").read_text())
+           for n in ("fresh", "again")}  # fmt: skip
+    assert [got[n]["resumed"] for n in ("fresh", "again")] == [False, True]
+    assert {g["git_commit"] for g in got.values()} == {"c0ffee" * 6 + "c0ff"}
+    table = "\n".join(study_report.steps_table(Results(tmp_path / "results/study"),
+                                               [fresh, resumed]))  # fmt: skip
+    assert table.count("its last leg") == 1 and "| again |" in table.split("its last leg")[0]
 
 
 def test_plan_seeds_reuse_the_lr_seed_0_chose(tmp_path, monkeypatch):
