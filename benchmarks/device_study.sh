@@ -66,13 +66,15 @@ for f in runs/study/*_gpu*/metrics.jsonl; do
     [ -f "$f" ] && echo "$f: $(tail -1 "$f" | head -c 400)"
 done
 
-# The pipeline against the plain loop on this GPU, if a minute and a half is left.
-if [ $((BUDGET - $(elapsed))) -ge 90 ]; then
+# The pipeline against the plain loop on this GPU, in fp32 and then in bf16 (what
+# `train.precision=auto` takes on this GPU), each if two minutes are left.
+for prec in fp32 bf16; do
+    [ $((BUDGET - $(elapsed))) -ge 120 ] || break
     timeout $((BUDGET - $(elapsed))) $PY benchmarks/train_throughput.py --steps 200 --rounds 1 \
-        --config configs/fmnist_hybrid_mpp.yaml --out "$OUT/train_throughput.json" \
-        >"$LOGS/throughput.log" 2>&1
-    tail -15 "$LOGS/throughput.log"
-fi
+        --config configs/fmnist_hybrid_mpp.yaml --out "$OUT/train_throughput_$prec.json" \
+        "train.precision=$prec" >"$LOGS/throughput_$prec.log" 2>&1
+    tail -4 "$LOGS/throughput_$prec.log"
+done
 
 tar -czf "$OUT/results.tgz" results/study/*_gpu* 2>/dev/null
 tar -czf "$OUT/logs.tgz" runs/study/logs "$LOGS" runs/study/*_gpu*/metrics.jsonl \
