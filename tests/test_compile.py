@@ -116,13 +116,13 @@ def test_compile_blocks_keeps_the_state_dict():
 
 
 @pytest.mark.slow
-def test_auto_trial_on_two_ranks(tiny_shards, tmp_path):
+def test_auto_trial_on_two_ranks(tiny_shards, tmp_path, mlflow_db):
     """A CPU run with train.compile=auto on two real ranks times both ways, makes one choice
     (a collective at the deciding step: no hang, the same line on every rank that logs), logs
     it to MLflow, and trains to the end (the kNN monitor at the end runs the blocks eager)."""
     # The setup installs g++ (DeepSpeed's CPU op needs it too): without it the trial is off.
     assert comp._cpu_compiler() is not None, "no C++ compiler: Inductor's CPU kernels need g++"
-    run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
+    run_dir, db = tmp_path / "run", mlflow_db
     steps = comp.TRIAL_MIN_STEPS + 6
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
                 "--master_port", str(_free_port())]  # fmt: skip

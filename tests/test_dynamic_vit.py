@@ -4,6 +4,7 @@ MLflow) and evals/dynamic_vit.py on its export, on the real toy shards of confte
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def _args(shards: Path, run_dir: Path, db: Path, init: Path, steps: int) -> list
 
 
 @pytest.fixture(scope="module")
-def cascade_run(tiny_shards, tmp_path_factory) -> tuple[Path, Path, list[str]]:
+def cascade_run(tiny_shards, tmp_path_factory, mlflow_template) -> tuple[Path, Path, list[str]]:
     """A random 16-px ViT export (4x4 tokens), fine-tuned as a 2-stage cascade (8 px: 2x2)."""
     base = tmp_path_factory.mktemp("cascade")
     torch.manual_seed(0)
@@ -50,6 +51,7 @@ def cascade_run(tiny_shards, tmp_path_factory) -> tuple[Path, Path, list[str]]:
         arch="vit_tiny_patch16_224", kwargs=KW, mean=[0.3], std=[0.3],
     )  # fmt: skip
     run_dir, db = base / "run", base / "mlflow.db"
+    shutil.copyfile(mlflow_template, db)  # a migrated store: its tables are made already
     args = _args(tiny_shards, run_dir, db, init, steps=4)
     proc = run_cli(args)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -70,13 +70,13 @@ def _steps_logged(log: Path, offset: int) -> list[int]:
     return [int(m) for m in re.findall(r" step (\d+)/\d+ ", text)]
 
 
-def test_training_survives_random_sigkills(tiny_shards, tmp_path):
+def test_training_survives_random_sigkills(tiny_shards, tmp_path, mlflow_db):
     """3 SIGKILLs (two at seeded random steps plus a random fraction of a step, one the instant a
     `.partial` checkpoint folder appears), then the same command: planned steps reached, `latest`
     always complete, the partial folder never trusted, MLflow metric steps exact. Kill points are
     steps, not seconds, so a faster loader or machine cannot outrun them."""
     rng = random.Random(8)
-    run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
+    run_dir, db = tmp_path / "run", mlflow_db
     ckpt, log = run_dir / "checkpoints", tmp_path / "train.log"
     total = 24
     args = overrides(tiny_shards, run_dir, db, f"train.steps={total}", "run.checkpoint_every=4")
@@ -196,12 +196,12 @@ def _damage(shards: Path, tmp: Path) -> Path:
 
 
 @pytest.mark.parametrize("in_memory", ["true", "false"])
-def test_bad_shards_at_training_time(tiny_shards, tmp_path, in_memory):
+def test_bad_shards_at_training_time(tiny_shards, tmp_path, mlflow_db, in_memory):
     """Streamed (read while training) and held in RAM (read at start): the same policy."""
     bad = _damage(tiny_shards, tmp_path)
     ram = f"data.in_memory={in_memory}"
     # Missing shard, default policy: a clear one-line error at start, no traceback.
-    args = overrides(bad, tmp_path / "r1", tmp_path / "db", "train.steps=6", ram)
+    args = overrides(bad, tmp_path / "r1", mlflow_db, "train.steps=6", ram)
     t = time.monotonic()
     proc = run_cli([PIPE, *args], timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -211,7 +211,7 @@ def test_bad_shards_at_training_time(tiny_shards, tmp_path, in_memory):
 
     # Asked to skip: trains to the end on what is readable, corrupt samples skipped and counted.
     run_dir = tmp_path / "r2"
-    args = overrides(bad, run_dir, tmp_path / "db", "train.steps=12", "data.missing_shards=skip",
+    args = overrides(bad, run_dir, mlflow_db, "train.steps=12", "data.missing_shards=skip",
                      ram)  # fmt: skip
     t = time.monotonic()
     proc = run_cli([PIPE, *args], timeout=400)
@@ -225,12 +225,14 @@ def test_bad_shards_at_training_time(tiny_shards, tmp_path, in_memory):
     print(f"bad shards skipped: {skipped} samples counted, run took {took:.1f}s")
 
 
-def test_nonfinite_loss_skips_then_stops_keeping_last_good_checkpoint(tiny_shards, tmp_path):
+def test_nonfinite_loss_skips_then_stops_keeping_last_good_checkpoint(
+    tiny_shards, tmp_path, mlflow_db
+):
     """A real overflow: lr=1e30 after a normal start blows the weights up, the loss turns
     non-finite; those steps are skipped and counted, and after K=3 in a row the run stops."""
     run_dir = tmp_path / "run"
     # Warmup of 3 steps keeps the first steps finite (lr ramps from ~0), then the weights explode.
-    args = overrides(tiny_shards, run_dir, tmp_path / "db", "train.steps=40",
+    args = overrides(tiny_shards, run_dir, mlflow_db, "train.steps=40",
                      "run.checkpoint_every=1", "run.log_every=1", "optim.lr=1e30",
                      "optim.warmup_steps=3", "run.max_nonfinite_steps=3",
                      "train.zero_stage=2")  # ZeRO-2 steps the optimizer group by group  # fmt: skip
@@ -288,7 +290,7 @@ def test_mlflow_down_at_start_then_replayed(tiny_shards, tmp_path):
     print(f"\nMLflow down at start: training took {took:.1f}s; replay pushed steps {sorted(steps)}")
 
 
-def test_resume_position_counts_the_shards_actually_read(tiny_shards, tmp_path):
+def test_resume_position_counts_the_shards_actually_read(tiny_shards, tmp_path, mlflow_db):
     """With a shard gone and data.missing_shards=skip an epoch is 12 steps, not the manifest's
     16: a resume at step 14 is epoch 1, batch 2 (the manifest's count would say epoch 0, batch
     14, past the end of what is readable)."""
@@ -299,13 +301,13 @@ def test_resume_position_counts_the_shards_actually_read(tiny_shards, tmp_path):
             (short / p.name).write_bytes(p.read_bytes())
     run_dir = tmp_path / "run"
     common = ["data.missing_shards=skip", "run.checkpoint_every=7"]
-    first = run_cli([PIPE, *overrides(short, run_dir, tmp_path / "db", "train.steps=14", *common)])
+    first = run_cli([PIPE, *overrides(short, run_dir, mlflow_db, "train.steps=14", *common)])
     assert first.returncode == 0, first.stderr[-3000:]
     state = json.loads(
         (run_dir / "checkpoints" / "step00000014" / "trainer_state.json").read_text()
     )
     assert state["steps_per_epoch"] == 12  # 384 readable samples / 32
-    more = run_cli([PIPE, *overrides(short, run_dir, tmp_path / "db", "train.steps=20", *common)])
+    more = run_cli([PIPE, *overrides(short, run_dir, mlflow_db, "train.steps=20", *common)])
     assert more.returncode == 0, more.stderr[-3000:]
     assert "resumed from step 14" in more.stderr
     assert metric_steps(run_dir) == list(range(2, 21, 2))

@@ -20,8 +20,10 @@ MIXER = [
 ]  # fmt: skip
 
 
-def test_mixer_through_mpp_every_evaluator_and_inspect(tiny_shards: Path, tmp_path: Path):
-    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_mixer_through_mpp_every_evaluator_and_inspect(
+    tiny_shards: Path, tmp_path: Path, mlflow_db: Path
+):
+    db = f"sqlite:///{mlflow_db}"
     pre = tmp_path / "pre"
     proc = run_cli(
         ["pipelines/mpp_pretrain.py", "--config", "configs/fmnist_vit_tiny_mpp.yaml",

@@ -39,21 +39,12 @@ def _export(folder: Path, *, wrong_sha: bool = False) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def empty_db(tmp_path_factory) -> Path:
-    """An MLflow SQLite file with its tables made (seconds of migrations), copied per test."""
-    db = tmp_path_factory.mktemp("db") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()
-    return db
-
-
 @pytest.fixture()
-def store(empty_db, tmp_path, monkeypatch):
+def store(mlflow_db, tmp_path, monkeypatch):
     """A real SQLite store with its artifact folder, and a tmp download cache."""
     monkeypatch.setenv("SSL_VIT_MLFLOW_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(PARENT_ENV, raising=False)
-    shutil.copyfile(empty_db, tmp_path / "mlflow.db")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = f"sqlite:///{mlflow_db}"
     client = MlflowClient(uri)
     exp = client.create_experiment("t", artifact_location=str(tmp_path / "artifacts"))
     return uri, client, exp

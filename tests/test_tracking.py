@@ -15,14 +15,6 @@ from mlflow.tracking import MlflowClient
 from ssl_vit.tracking import MAX_PARAM_LEN, Tracker, flatten, main
 
 
-@pytest.fixture(scope="module")
-def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One migrated MLflow SQLite database (creating one takes seconds); tests copy it."""
-    path = tmp_path_factory.mktemp("db") / "template.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
-
-
 def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
@@ -33,11 +25,11 @@ def test_flatten_truncates() -> None:
 
 
 def test_sqlite_store_and_resume_without_duplicates(
-    tmp_path: Path, template_db: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, mlflow_template: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    shutil.copy(template_db, tmp_path / "mlflow.db")  # the default store, already migrated
+    shutil.copy(mlflow_template, tmp_path / "mlflow.db")  # the default store, already migrated
 
     off = Tracker(enabled=False, experiment="x", spool_dir=tmp_path / "off")
     off.log_metrics({"loss": 1.0}, step=0)
@@ -94,13 +86,13 @@ def test_sqlite_store_and_resume_without_duplicates(
 
 @pytest.mark.slow
 def test_server_outage_spools_and_recovers(
-    tmp_path: Path, template_db: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, mlflow_template: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")  # restored after the test
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     db = tmp_path / "server.db"
-    shutil.copy(template_db, db)
+    shutil.copy(mlflow_template, db)
     server = MlflowServer(tmp_path, db)
     spool = tmp_path / "spool"
     try:

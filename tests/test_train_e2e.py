@@ -57,8 +57,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_pretrain_exports_tracks_and_resumes(tiny_shards, tmp_path):
-    run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
+def test_pretrain_exports_tracks_and_resumes(tiny_shards, tmp_path, mlflow_db):
+    run_dir, db = tmp_path / "run", mlflow_db
     args = overrides(tiny_shards, run_dir, db, "train.steps=8", "run.checkpoint_every=4")
     proc = run_cli(["pipelines/mpp_pretrain.py", *args])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -108,8 +108,8 @@ def test_pretrain_exports_tracks_and_resumes(tiny_shards, tmp_path):
     assert {"config.yaml", "ds_config.json", "export", "loss_curve.png"} <= artifacts
 
 
-def test_kill_and_rerun_resumes_from_last_checkpoint(tiny_shards, tmp_path):
-    run_dir, db = tmp_path / "run", tmp_path / "mlflow.db"
+def test_kill_and_rerun_resumes_from_last_checkpoint(tiny_shards, tmp_path, mlflow_db):
+    run_dir, db = tmp_path / "run", mlflow_db
     args = overrides(
         tiny_shards, run_dir, db, "train.steps=40", "run.checkpoint_every=5", "objective.kind=mpp"
     )
@@ -179,12 +179,12 @@ def test_two_ranks_match_one_rank_with_twice_the_batch(tmp_path):
         assert rb["train/grad_norm"] == pytest.approx(ra["train/grad_norm"], rel=1e-3, abs=1e-6)
 
 
-def test_two_node_rehearsal_with_no_ssh(tiny_shards, tmp_path):
+def test_two_node_rehearsal_with_no_ssh(tiny_shards, tmp_path, mlflow_db):
     """What a scheduler does: one launcher per node, `--no_ssh --node_rank`, here on localhost."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     run_dir = tmp_path / "run"
-    args = overrides(tiny_shards, run_dir, tmp_path / "mlflow.db", "train.steps=4")
+    args = overrides(tiny_shards, run_dir, mlflow_db, "train.steps=4")
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -240,15 +240,15 @@ def test_real_mlflow_server(tiny_shards, tmp_path):
         server.kill()
 
 
-def test_finetune_at_higher_resolution_beats_its_start(tiny_shards, tmp_path):
+def test_finetune_at_higher_resolution_beats_its_start(tiny_shards, tmp_path, mlflow_db):
     """Pretrain 16 px, fine-tune at 24 px (pos-embed interpolated) with SGD + zero-init head."""
     pre = tmp_path / "pre"
-    args = overrides(tiny_shards, pre, tmp_path / "db", "train.steps=4")
+    args = overrides(tiny_shards, pre, mlflow_db, "train.steps=4")
     assert run_cli(["pipelines/mpp_pretrain.py", *args]).returncode == 0
     ft = tmp_path / "ft"
     args = [
         a
-        for a in overrides(tiny_shards, ft, tmp_path / "db", "train.epochs=3")
+        for a in overrides(tiny_shards, ft, mlflow_db, "train.epochs=3")
         if a != "train.epochs=null" and not a.startswith(("optim.lr", "model.kwargs"))
     ]
     proc = run_cli(
@@ -288,11 +288,11 @@ def _assert_chosen_on_selection_split(result: dict) -> None:
     assert result["selected_top1"] == best[2] and result["final_top1"] == hist[-1][2]
 
 
-def test_finetune_lr_sweep_chooses_on_held_out_nested_in_mlflow(tiny_shards, tmp_path):
+def test_finetune_lr_sweep_chooses_on_held_out_nested_in_mlflow(tiny_shards, tmp_path, mlflow_db):
     """--sweep optim.lr=...: one run per value, nested MLflow runs, the held-out best chosen,
     and a rerun skips what is done."""
     pre = tmp_path / "pre"
-    db = tmp_path / "db"
+    db = mlflow_db
     assert run_cli(["pipelines/mpp_pretrain.py",
                     *overrides(tiny_shards, pre, db, "train.steps=2")]).returncode == 0  # fmt: skip
     sweep = tmp_path / "sweep"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,9 +61,11 @@ def zero_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def db(tmp_path_factory) -> Path:
-    """One MLflow store for the module: its tables are created once, not per launch."""
-    return tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+def db(tmp_path_factory, mlflow_template) -> Path:
+    """One MLflow store for the module, migrated already (a copy of the suite's template)."""
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    shutil.copyfile(mlflow_template, path)
+    return path
 
 
 def free_port() -> int:
