@@ -254,8 +254,10 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
             ("random-init ViT, 4x4 patches", "random_p4"),
             ("random-init hybrid (ResNet stem, 32 px)", "random_hybrid")]  # fmt: skip
     for run_label, run, eps in pretrainings:
-        rows += [(f"MPP after {e} epoch{'s' * (e > 1)} ({run_label})", f"{run}_e{e}")
-                 for e in eps]  # fmt: skip
+        for e in eps:  # a read-out chosen on held-out is named in its row
+            ev = f"{run}_e{e}"
+            chosen = f": {readout_label(r, ev)}" if run.endswith("_readout") else ""
+            rows.append((f"MPP after {e} epoch{'s' * (e > 1)} ({run_label}){chosen}", ev))
     rows += [(f"supervised after {epochs[-1]} epochs", f"supervised_e{epochs[-1]}")]
     for label, ev, rand in READOUTS:
         rows += [(f"MPP after 6 epochs ({label}), read-out chosen on held-out: "
