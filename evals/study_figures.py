@@ -10,54 +10,88 @@ from study_reading import KNN, PROBE
 Series = tuple
 
 
-def line_plot(out: Path, series: list[Series], xlabel: str, ylabel: str, title: str,
-              log_y: bool = False) -> Path | None:  # fmt: skip
-    """One PNG of labelled lines; None when there is nothing to draw."""
-    series = [s for s in series if len(s[1]) > 1]
-    if not series:
-        return None
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label, xs, ys, *style in series:
+    return plt
+
+
+def _save(fig, out: Path) -> Path:
+    fig.savefig(out, dpi=110, bbox_inches="tight")  # the legends sit outside the axes
+    fig.clf()
+    return out
+
+
+def line_plot(out: Path, series: list[Series], xlabel: str, ylabel: str, title: str,
+              log_y: bool = False) -> Path | None:  # fmt: skip
+    """One PNG of labelled lines, the legend beside the axes; None when there is nothing to
+    draw. Lines without a colour of their own take 20 distinct ones, not 10 that repeat."""
+    series = [s for s in series if len(s[1]) > 1]
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    palette = plt.get_cmap("tab20" if len(series) > 10 else "tab10").colors
+    for i, (label, xs, ys, *style) in enumerate(series):
         ax.plot(xs, ys, label=label, **{"marker": "o" if len(xs) < 12 else None,
+                                        "color": palette[i % len(palette)],
                                         **(style or [{}])[0]})  # fmt: skip
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log" if log_y else "linear")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    out = _save(fig, out)
     plt.close(fig)
     return out
 
 
-FEATURE_MEASURES = (("kNN (k=20)", "knn", KNN, "C0"), ("linear probe", "probe", PROBE, "C1"),
-                    ("10-shot ridge", "fewshot", "fewshot_10shot_mean", "C2"))  # fmt: skip
+FEATURE_MEASURES = (("kNN (k=20)", "knn", KNN), ("linear probe", "probe", PROBE),
+                    ("10-shot ridge", "fewshot", "fewshot_10shot_mean"))  # fmt: skip
 
 
-def curve_figure(r, out: Path, runs: list[tuple[str, str, tuple[int, ...]]]) -> Path | None:
-    """Frozen-feature accuracy against MPP pretraining epochs, random init at 0: one line per
-    measure and pretraining run (label, the run's step name, its snapshot epochs). A run's
-    snapshots share one cosine schedule, so each run is drawn on its own."""
-    series = []
+def curve_figure(r, out: Path, runs: list[tuple[str, str, tuple[int, ...]]],
+                 random_of: dict[str, str]) -> Path | None:  # fmt: skip
+    """Frozen-feature accuracy against MPP pretraining epochs: one panel per measure, one
+    colour per pretraining run (label, the run's step name, its snapshot epochs), each run
+    starting at 0 from its own random init (`random_of`: run -> that init's evals, else
+    "random"); raw pixels as a grey line. A run's snapshots share one cosine schedule, so each
+    run is drawn on its own."""
+    lines = []  # (panel, run index, label, xs, ys)
     for i, (run_label, run, epochs) in enumerate(runs):
-        for label, kind, key, colour in FEATURE_MEASURES:
-            pts = [(0, r.metric("random", kind, key))]
+        for panel, (_, kind, key) in enumerate(FEATURE_MEASURES):
+            pts = [(0, r.metric(random_of.get(run, "random"), kind, key))]
             pts += [(e, r.metric(f"{run}_e{e}", kind, key)) for e in epochs]
             pts = [(e, 100 * v) for e, v in pts if v is not None]
-            style = {"color": colour, "linestyle": ("-", "--", ":")[i % 3]}
-            name = f"{label}, {run_label}" if len(runs) > 1 else label
-            series.append((name, [e for e, _ in pts], [v for _, v in pts], style))
-    last = max((e for _, _, eps in runs for e in eps), default=0)
-    for label, kind, key, colour in FEATURE_MEASURES:  # what the features must beat
-        if (pixels := r.metric("pixels", kind, key)) is not None:
-            style = {"color": colour, "linestyle": ":", "marker": None, "alpha": 0.6}
-            series.append((f"{label}, raw pixels", [0, last], [100 * pixels] * 2, style))
-    return line_plot(out, series, "MPP pretraining epochs (0: random init)", "test top-1 (%)",
-                     "Frozen MPP features against pretraining length")  # fmt: skip
+            if len(pts) > 1:
+                lines.append((panel, i, run_label, [e for e, _ in pts], [v for _, v in pts]))
+    if not lines:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(FEATURE_MEASURES), figsize=(13, 4.2), sharex=True)
+    colours = plt.get_cmap("tab10").colors
+    last = max(e for *_, xs, _ in lines for e in xs)
+    for panel, i, label, xs, ys in lines:
+        axes[panel].plot(xs, ys, marker="o", color=colours[i % 10], label=label)
+    for ax, (title, kind, key) in zip(axes, FEATURE_MEASURES, strict=True):
+        if (pixels := r.metric("pixels", kind, key)) is not None:  # what the features must beat
+            ax.axhline(100 * pixels, color="grey", linestyle=":", label="raw pixels")
+        ax.set(title=title, xlabel="MPP pretraining epochs (0: random init)", xlim=(-1, last + 1))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test top-1 (%)")
+    handles, labels = {}, []
+    for ax in axes:  # each run once, from whichever panel drew it
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    fig.legend([handles[lab] for lab in labels], labels, loc="upper center", ncol=2,
+               fontsize="small", bbox_to_anchor=(0.5, 0.0))  # fmt: skip
+    fig.suptitle("Frozen MPP features against pretraining length")
+    out = _save(fig, out)
+    plt.close(fig)
+    return out
 
 
 def loss_figure(r, out: Path, runs: list[tuple[str, str]]) -> Path | None:

@@ -278,7 +278,7 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  ("MPP, fine-tuned, the paper's hybrid, GPU budget", GPU_ARMS[0]),
                  ("from scratch, the paper's hybrid, GPU budget", GPU_ARMS[1])]  # fmt: skip
     figures = [
-        curve_figure(r, root / results / "pretraining_curve.png", pretrainings),
+        curve_figure(r, root / results / "pretraining_curve.png", pretrainings, RANDOM_OF),
         loss_figure(r, root / results / "finetune_loss.png",
                     [("MPP, fine-tuned", arms["mpp"][0]),
                      ("supervised, fine-tuned", arms["supervised"][0]),
