@@ -18,17 +18,19 @@ from safetensors.torch import load_file
 from ssl_vit.config import load_config
 from ssl_vit.engine.build import ModelSpec, export_run
 from ssl_vit.engine.distributed import init_distributed
-from ssl_vit.engine.optim import deepspeed_config, make_optimizer
+from ssl_vit.engine.optim import clips_in_step, deepspeed_config, make_optimizer
+from ssl_vit.engine.progress import MetricWindow
+from ssl_vit.engine.train_step import train_step
 from ssl_vit.models import build_backbone
 from ssl_vit.objectives import build_objective
 
 KW = {"img_size": 16, "in_chans": 1, "patch_size": 4, "depth": 2, "embed_dim": 32, "num_heads": 2}
 
 
-def engine_for(stage: int, precision: str, global_batch: int, micro: int):
+def engine_for(stage: int, precision: str, global_batch: int, micro: int, *overrides: str):
     cfg = load_config(
         None, ["train.steps=10", f"train.global_batch={global_batch}", f"train.zero_stage={stage}",
-               "optim.lr=1e-2", "optim.warmup_steps=1"],
+               "optim.lr=1e-2", "optim.warmup_steps=1", *overrides],
     )  # fmt: skip
     torch.manual_seed(0)
     objective = build_objective(
@@ -37,7 +39,7 @@ def engine_for(stage: int, precision: str, global_batch: int, micro: int):
     optimizer, schedule = make_optimizer(objective, cfg, 10)
     ds = deepspeed_config(cfg, 1, micro, global_batch // micro, precision)
     engine, *_ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds)
-    return engine, optimizer, ds
+    return engine, optimizer, ds, cfg
 
 
 def step(engine, optimizer, skip: bool, micro_batches: int = 1) -> None:
@@ -61,7 +63,7 @@ def masters(engine) -> list[torch.Tensor]:
 
 def skip_under_zero2() -> dict:
     """A skipped step leaves every parameter group untouched (ZeRO-2 steps group by group)."""
-    engine, optimizer, _ = engine_for(2, "fp32", 8, 8)
+    engine, optimizer, *_ = engine_for(2, "fp32", 8, 8)
     step(engine, optimizer, skip=False)
     before = masters(engine)
     step(engine, optimizer, skip=True)
@@ -83,7 +85,7 @@ def skip_under_zero2() -> dict:
 def bf16_export(out: Path) -> dict:
     """bf16 weights in the engine, 2 micro-batches accumulated: the export holds the fp32
     masters, not the bf16 working copy."""
-    engine, optimizer, ds = engine_for(0, "bf16", 8, 4)
+    engine, optimizer, ds, _ = engine_for(0, "bf16", 8, 4)
     for _ in range(3):
         step(engine, optimizer, skip=False, micro_batches=2)
     spec = ModelSpec("vit_tiny_patch16_224", KW, 1, [0.5], [0.25])
@@ -104,7 +106,38 @@ def bf16_export(out: Path) -> dict:
     }
 
 
+def clip_in_step_against_deepspeed() -> dict:
+    """ZeRO-0 fp32, 2 micro-batches a step, a clip small enough to act at every step: the
+    training step's own clip (optim.clips_in_step) and DeepSpeed's, from the same weights on
+    the same batches and masks, through the real train_step."""
+    found = {}
+    for who, extra in (("step", []), ("deepspeed", ["train.deepspeed={gradient_clipping: 0.05}"])):
+        engine, optimizer, ds, cfg = engine_for(0, "fp32", 8, 4, "optim.grad_clip=0.05", *extra)
+        clip = cfg.optim.grad_clip if clips_in_step(cfg, "fp32") and not extra else 0.0
+        window, norms = MetricWindow(engine.device, 8), []
+        data = torch.Generator().manual_seed(1)
+        for i in range(3):
+            x = torch.randint(0, 256, (8, 1, 16, 16), generator=data, dtype=torch.uint8)
+            torch.manual_seed(100 + i)  # the same MPP masks both ways
+            *_, norm = train_step(engine, optimizer, x, torch.zeros(8, dtype=torch.long), 4,
+                                  False, window, True, clip)  # fmt: skip
+            norms.append(norm)
+        found[who] = {"engine_clip": ds["gradient_clipping"], "step_clip": clip,
+                      "norms": norms, "weights": masters(engine)}  # fmt: skip
+    ours, theirs = found["step"], found["deepspeed"]
+    return {
+        "engine_clip": [ours["engine_clip"], theirs["engine_clip"]],
+        "step_clip": [ours["step_clip"], theirs["step_clip"]],
+        "norms": [ours["norms"], theirs["norms"]],
+        "max_weight_diff": max(float((a - b).abs().max())
+                               for a, b in zip(ours["weights"], theirs["weights"], strict=True)),
+        "moved": sum(not torch.equal(a, b) for a, b in
+                     zip(ours["weights"], masters(engine_for(0, "fp32", 8, 4)[0]), strict=True)),
+    }  # fmt: skip
+
+
 if __name__ == "__main__":
     init_distributed()
-    found = {"skip": skip_under_zero2(), "bf16": bf16_export(Path(sys.argv[1]))}
+    found = {"skip": skip_under_zero2(), "bf16": bf16_export(Path(sys.argv[1])),
+             "clip": clip_in_step_against_deepspeed()}  # fmt: skip
     print(json.dumps(found))

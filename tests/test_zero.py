@@ -211,3 +211,10 @@ def test_engine_skip_and_bf16_export(tmp_path):
     assert bf16["optimizer"] == "BF16_Optimizer" and bf16["ds_stage"] >= 1  # fp32 accumulation
     assert bf16["export_dtypes"] == ["torch.float32"] and bf16["export_equals_master"]
     assert bf16["export_off_bf16_grid"] > bf16["tensors"] // 2  # not rounded to bf16
+    # ZeRO-0 fp32: the step clips (DeepSpeed's clip off) and trains as DeepSpeed's clip does.
+    clip = found["clip"]
+    assert clip["engine_clip"] == [0.0, 0.05] and clip["step_clip"] == [0.05, 0.0]
+    ours, theirs = clip["norms"]
+    assert all(n > 0.05 for n in ours)  # the clip acted at every step
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert clip["moved"] > 0 and clip["max_weight_diff"] < 1e-5

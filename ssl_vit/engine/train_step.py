@@ -28,9 +28,12 @@ def train_step(
     cpu_autocast: bool,
     window: MetricWindow,
     want_grad_norm: bool,
+    clip: float = 0.0,
 ) -> tuple[bool, bool, float]:
     """One optimizer step over the rank's batch, in micro-batches; returns
-    (loss finite, step applied, grad norm).
+    (loss finite, step applied, grad norm). `clip` > 0: clip the gradients to that global norm
+    here, before the engine steps (ZeRO-0 fp32, ssl_vit.engine.optim.clips_in_step); 0: the
+    engine clips (or nothing does).
 
     A non-finite loss on any rank skips the optimizer step on every rank (weights and moments
     untouched); the step still counts, so the data and schedule stay aligned.
@@ -50,7 +53,10 @@ def train_step(
         if boundary:
             finite = all_reduce_sum(bad).item() == 0
             optimizer.skip = not finite  # ZeRO-1/2 call step() once per param group: all skip
-            if want_grad_norm:
+            if clip > 0:  # whole gradients, averaged over ranks by the backward just done
+                norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), clip)
+                grad_norm = float(norm) if want_grad_norm else 0.0  # a sync on log steps only
+            elif want_grad_norm:
                 grad_norm = _grad_norm(engine.module)
         engine.step()
         optimizer.skip = False

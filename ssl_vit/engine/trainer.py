@@ -45,6 +45,7 @@ from ssl_vit.engine.distributed import (
 from ssl_vit.engine.evaluate import InTrainingEvals
 from ssl_vit.engine.optim import (
     StepSchedule,
+    clips_in_step,
     deepspeed_config,
     make_optimizer,
 )
@@ -142,6 +143,7 @@ class _Setup:
     optimizer: torch.optim.Optimizer
     schedule: StepSchedule
     derived: dict  # values resolved for this launch, logged as params
+    clip: float = 0.0  # the global-norm clip the step applies itself (optim.clips_in_step)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -205,6 +207,7 @@ def _setup(cfg: Config, header: str) -> _Setup:
     return _Setup(
         cfg, rank, world, micro, run_dir, manifest, spec, objective_options, precision,
         cpu_autocast, loader, total_steps, flops, engine, optimizer, schedule, derived,
+        clip=cfg.optim.grad_clip if clips_in_step(cfg, ds_precision) else 0.0,
     )  # fmt: skip
 
 
@@ -304,7 +307,7 @@ def train(cfg: Config, header: str = "") -> Path:
             log_now = _is_log_step(n.step + 1, cfg.run.log_every, s.total_steps)
             finite, applied, grad_norm = train_step(
                 s.engine, s.optimizer, images, labels, s.micro, s.cpu_autocast,
-                step_log.window, log_now,
+                step_log.window, log_now, s.clip,
             )  # fmt: skip
             n.step += 1
             s.schedule.set(n.step)
