@@ -95,12 +95,20 @@ def curve_figure(r, out: Path, runs: list[tuple[str, str, tuple[int, ...]]],
 
 
 def loss_figure(r, out: Path, runs: list[tuple[str, str]]) -> Path | None:
-    """Training loss against epoch of the fine-tuning (and from-scratch) runs."""
+    """Training loss against epoch of the fine-tuning (and from-scratch) runs: one colour per
+    budget (what follows the method in a label, "MPP, fine-tuned, 4x4 patches" -> "4x4
+    patches"), one line style per method, so each MPP run sits beside its from-scratch run."""
+    budgets: list[str] = []
     series = []
     for label, step in runs:
+        _, tuned, rest = label.partition(", fine-tuned")
+        budget = (rest if tuned else label.removeprefix("from scratch")).lstrip(", ")
+        budgets += [budget] if budget not in budgets else []
+        dash = "--" if label.startswith("from scratch") else ":" if "supervised" in label else "-"
+        style = {"color": f"C{budgets.index(budget) % 10}", "linestyle": dash}
         rows = [row for row in r.metric_lines(step) if "train/loss" in row]
         series.append((label, [row["train/epoch"] for row in rows],
-                       [row["train/loss"] for row in rows]))  # fmt: skip
+                       [row["train/loss"] for row in rows], style))  # fmt: skip
     return line_plot(out, series, "epoch", "training loss",
                      "Fine-tuning (seed 0, chosen lr) and from scratch", log_y=True)  # fmt: skip
 
