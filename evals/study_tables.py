@@ -61,8 +61,8 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     from study_steps import GPU_FINETUNE_EPOCHS, GPU_PRETRAIN_EPOCHS
 
     lines.append(f"| {GPU_PRETRAIN_EPOCHS} + {GPU_FINETUNE_EPOCHS} (seed 0), the paper's hybrid "
-                 f"on one GPU ({_gpu_of(r, GPU_ARMS[1])}; bf16, `train.precision=auto`'s choice "
-                 f"there) | {_pair(r, *GPU_ARMS)} | {_chosen(r, arms['mpp'][0])}, the 16-token "
+                 f"on one GPU ({_gpu_of(r, GPU_ARMS[1])}; `train.precision=auto`: bf16 from Ampere "
+                 f"on) | {_pair(r, *GPU_ARMS)} | {_chosen(r, arms['mpp'][0])}, the 16-token "
                  "sweep's (not swept) |")  # fmt: skip
     hires = r.output(HIRES_ARM)
     held = "pending" if hires is None else pct(hires["selection_best_top1"])
