@@ -17,10 +17,10 @@ from study_results import (
     arm_row,
     arm_scores,
     fewshot,
-    lr_text,
     mean_std,
     pct,
     readout_label,
+    sweep_text,
 )
 from study_tables import (
     GPU_ARMS,
@@ -230,15 +230,15 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
         "| method | fine-tuned test top-1, mean ± std | per seed | lr (chosen on held-out) |",
         "|---|---|---|---|",
         arm_row(r, "MPP (50% corrupted, 3-bit mean colour), fine-tuned", arms["mpp"],
-                 lr_text(r, arms["mpp"][0])),
+                 sweep_text(r, arms["mpp"][0])),
         arm_row(r, "supervised pretraining, fine-tuned", arms["supervised"],
-                 lr_text(r, arms["supervised"][0])),
+                 sweep_text(r, arms["supervised"][0])),
         arm_row(r, "from scratch (labels only, same total epochs)", arms["scratch"],
                  "1e-3 (the supervised preset's; not swept)"),
         arm_row(r, "MLP-Mixer (D 128, 9 blocks), MPP, fine-tuned (1 seed)", ["ft_mixer_s0"],
-                 lr_text(r, "ft_mixer_s0")),
+                 sweep_text(r, "ft_mixer_s0")),
         arm_row(r, f"longer schedule: MPP {LONG_PRETRAIN_EPOCHS} + {LONG_FINETUNE_EPOCHS} "
-                "epochs, fine-tuned", arms["mpp_long"], lr_text(r, arms["mpp_long"][0])),
+                "epochs, fine-tuned", arms["mpp_long"], sweep_text(r, arms["mpp_long"][0])),
         arm_row(r, f"longer schedule: from scratch, {LONG_PRETRAIN_EPOCHS + LONG_FINETUNE_EPOCHS}"
                 " epochs", arms["scratch_long"], "1e-3 (the supervised preset's; not swept)"),
     ]  # fmt: skip

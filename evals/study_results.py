@@ -68,13 +68,14 @@ def arm_row(r: Results, label: str, steps: list[str], lr: str) -> str:
     return f"| {label} | {100 * mean:.2f} ± {100 * std:.2f} (n={len(scores)}) | {each} | {lr} |"
 
 
-def lr_text(r: Results, sweep: str) -> str:
+def sweep_text(r: Results, sweep: str) -> str:
+    """A sweep's chosen value and each value's held-out top-1: "0.03 (held-out top-1 ...)"."""
     out = r.output(sweep)
     if out is None:
         return "pending"
     held = ", ".join(f"{run['value']}: {100 * run['selection_best_top1']:.2f}"
                      for run in out["runs"])  # fmt: skip
-    return f"{out['chosen']['optim.lr']} (held-out top-1 {held})"
+    return f"{out['chosen'][out['sweep']['key']]} (held-out top-1 {held})"
 
 
 def readout_label(r: Results, evals: str) -> str:

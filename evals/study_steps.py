@@ -244,15 +244,23 @@ def recipe(name: str) -> Step:
 
 FINETUNE_RECIPES = {  # MPP fine-tuning (seed 0) beside the sweep's SGD: name -> overrides
     "ft_recipe_adamw": ["optim.name=adamw", "optim.lr=1e-3", "optim.weight_decay=0.05"],
+    # Layer-wise lr decay (BEiT's and MAE's fine-tuning, not the ViT paper's): the head and the
+    # last block at the full lr, each block below one factor `decay` less, the patch embedding
+    # decay^6: the pretrained lower blocks move least. Chosen on held-out at the SGD sweep's lr.
+    "ft_recipe_layer_decay": ["--sweep", "optim.layer_decay=0.65,0.75,0.85"],
 }
 
 
 def finetune_recipe(name: str) -> Step:
-    run = STUDY / name
+    """A fine-tuning recipe of the 6-epoch MPP export, seed 0; without an lr of its own, the
+    lr seed 0's SGD sweep chose on held-out."""
+    run, overrides = STUDY / name, FINETUNE_RECIPES[name]
     argv = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *FINETUNE,
-            f"model.init_from={STUDY / 'mpp'}", "run.seed=0", *FINETUNE_RECIPES[name]]  # fmt: skip
-    return Step(name, lambda: [*argv, *chosen_augmentation()], run / "results.json", ("mpp",),
-                run)  # fmt: skip
+            f"model.init_from={STUDY / 'mpp'}", "run.seed=0", *overrides]  # fmt: skip
+    own_lr = any(o.startswith("optim.lr=") for o in overrides)
+    lr = lambda: [] if own_lr else [f"optim.lr={chosen_lr(f'ft_mpp_s{SEEDS[0]}')}"]  # noqa: E731
+    return Step(name, lambda: [*argv, *chosen_augmentation(), *lr()], run / "results.json",
+                ("mpp",), run)  # fmt: skip
 
 
 def cascade(name: str, *overrides: str) -> list[Step]:

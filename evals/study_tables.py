@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from study_figures import figure_lines
-from study_results import Results, lr_text, pct
+from study_results import Results, pct, sweep_text
 
 LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two trainings (plan)
 HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
@@ -45,7 +45,7 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     long = f"{LONG_PRETRAIN_EPOCHS} + {LONG_FINETUNE_EPOCHS} (seed 0)"
     budgets = ((short, arms["mpp"][0], arms["scratch"][0]), (long, *LONG_ARMS))
     for label, ft, scratch in budgets:
-        lines.append(f"| {label} | {_pair(r, ft, scratch)} | {lr_text(r, ft)} |")
+        lines.append(f"| {label} | {_pair(r, ft, scratch)} | {sweep_text(r, ft)} |")
     from study_steps import P4_FINETUNE_EPOCHS, P4_PRETRAIN_EPOCHS, SHIFT
 
     lines.append(f"| {P4_PRETRAIN_EPOCHS} + {P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 "
@@ -156,8 +156,12 @@ def recipes(r: Results) -> list[str]:
     for name, overrides in FINETUNE_RECIPES.items():
         out = r.output(name)
         what = " ".join(f"`{o}`" for o in overrides)
+        if not any(o.startswith("optim.lr=") for o in overrides) and sweep is not None:
+            what += f" at the sweep's `optim.lr={sweep['chosen']['optim.lr']}`"
         held = "pending" if out is None else pct(out["selection_best_top1"])
         test = "-" if out is None else pct(out["selected_top1"])
+        if out is not None and "sweep" in out:  # a sweep of its own: its choice, each value's
+            what += f"; chose {sweep_text(r, name)}"
         lines.append(f"| {name} | {what} | {held} | {test} |")
     return lines
 

@@ -80,6 +80,8 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed on to timm.create_model
     init_from: str | None = None  # exported backbone / run dir to start from (fine-tuning);
     # its arch and kwargs win, position embeddings are resampled to img_size (sec. 3.2)
+    drop_path_rate: float = 0.0  # stochastic depth while training (also with init_from); the
+    # export does not keep it: a regulariser of this run, not a property of the weights
 
     def backbone_kwargs(self, in_chans: int) -> dict[str, Any]:
         """The `build_backbone` keyword arguments for a fresh (not `init_from`) backbone."""
@@ -110,7 +112,7 @@ class ObjectiveConfig:
 class OptimConfig:
     name: str = "adamw"  # "adamw" (pretraining, B.1) or "sgd" (fine-tuning, B.1.1)
     momentum: float = 0.9  # SGD only
-    layer_decay: float | None = None  # layer-wise lr decay, e.g. 0.75 (fine-tuning option)
+    layer_decay: float | None = None  # fine-tuning: each block below the last at x this lr
     lr: float = 2e-4  # MPP: Adam, lr 2e-4 (B.1.2); supervised used 1e-3..3e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -317,6 +319,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")
     if o.mask_prob < 0 or o.random_prob < 0 or o.mask_prob + o.random_prob > 1:
         raise ConfigError("objective.mask_prob + objective.random_prob must be within [0, 1]")
+    if not 0 <= m.drop_path_rate < 1:
+        raise ConfigError(f"model.drop_path_rate={m.drop_path_rate}: must be in [0, 1)")
     if m.patch_size is not None and not m.init_from and m.img_size % m.patch_size:
         raise ConfigError(
             f"model.img_size={m.img_size} is not divisible by model.patch_size={m.patch_size}"

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ssl_vit.config import ConfigError, load_config
 from ssl_vit.models import (
     FinetuneHead,
     PretrainHead,
@@ -117,6 +118,26 @@ def test_export_load_round_trip(tmp_path):
         loaded, meta2 = load_backbone(path)
         assert meta2 == meta
         assert torch.equal(loaded.eval()(x), model(x))
+
+
+def test_drop_path_for_fine_tuning_is_not_kept_in_the_export(tmp_path):
+    """model.drop_path_rate: stochastic depth in training (rising to the rate at the last
+    block), the same function in eval, and nothing of it in the backbone's kwargs."""
+    torch.manual_seed(0)
+    kwargs = dict(img_size=28, in_chans=1, patch_size=4, **{**TINY, "depth": 2})
+    model = build_backbone("vit_tiny_patch16_224", **kwargs).eval()  # block 0 never drops
+    export_backbone(
+        model, tmp_path, arch="vit_tiny_patch16_224", kwargs=kwargs, mean=[0.5], std=[0.5]
+    )
+    loaded, meta = load_backbone(tmp_path, drop_path_rate=0.2)
+    assert "drop_path_rate" not in meta["kwargs"]
+    assert loaded.blocks[-1].drop_path1.drop_prob == pytest.approx(0.2)
+    x = torch.rand(4, 1, 28, 28)
+    assert torch.equal(loaded.eval()(x), model(x))  # off in eval: the same weights, same output
+    torch.manual_seed(1)
+    assert not torch.allclose(loaded.train()(x), model(x))  # blocks dropped per sample
+    with pytest.raises(ConfigError, match="model.drop_path_rate"):
+        load_config(None, ["model.drop_path_rate=1.0"])
 
 
 def test_load_at_new_img_size_interpolates_pos_embed(tmp_path):

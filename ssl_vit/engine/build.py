@@ -47,7 +47,9 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
     if m.init_from:
         try:  # a path, or an MLflow URI (downloaded once, by preflight, into the cache)
             source = resolve_export(m.init_from, tracking_uri=cfg.tracking.uri)
-            backbone, meta = load_backbone(source.path, img_size=m.img_size)
+            backbone, meta = load_backbone(
+                source.path, img_size=m.img_size, drop_path_rate=m.drop_path_rate
+            )
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"model.init_from: {e}") from None
         kwargs = {**meta["kwargs"], "img_size": m.img_size}
@@ -56,8 +58,9 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
     else:
         in_chans = m.in_chans or manifest.channels
         kwargs = m.backbone_kwargs(in_chans)
+        regulariser = {"drop_path_rate": m.drop_path_rate} if m.drop_path_rate else {}
         try:
-            backbone = build_backbone(m.arch, **kwargs)
+            backbone = build_backbone(m.arch, **{**kwargs, **regulariser})  # not in the export
         except (ValueError, TypeError) as e:  # unknown arch, kwargs timm does not take
             raise ConfigError(f"model.arch={m.arch!r} with model.kwargs={m.kwargs}: {e}") from None
         spec = ModelSpec(m.arch, kwargs, in_chans, manifest.mean, manifest.std)

@@ -231,7 +231,7 @@ class _StepLog:
     def write(self, n: Counters, grad_norm: float) -> dict[str, float]:
         s = self.s
         extra = {
-            "lr": s.schedule.get_last_lr()[0],
+            "lr": max(s.schedule.get_last_lr()),  # the head's under layer decay
             "grad_norm": grad_norm,
             "epoch": n.step / s.loader.steps_per_epoch,
             "samples_seen": n.step * s.cfg.train.global_batch,

@@ -87,12 +87,13 @@ def find_export(path: Path) -> Path:
 
 
 def load_backbone(
-    path: str | os.PathLike, *, img_size: int | None = None
+    path: str | os.PathLike, *, img_size: int | None = None, drop_path_rate: float = 0.0
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Load an exported backbone (folder, run directory, or either file) -> (model, backbone.json).
 
     With `img_size` different from the exported one the position embeddings are 2-D
     interpolated; an MLP-Mixer cannot change size (its token-mixing MLPs are sized by N).
+    `drop_path_rate` > 0 builds it with stochastic depth, for fine-tuning.
     """
     folder = find_export(Path(path))
     meta_path = folder / META
@@ -112,7 +113,8 @@ def load_backbone(
     old_size = int(kwargs["img_size"])
     if img_size is not None:
         kwargs["img_size"] = int(img_size)
-    model = build_backbone(meta["arch"], **kwargs)
+    regulariser = {"drop_path_rate": drop_path_rate} if drop_path_rate else {}
+    model = build_backbone(meta["arch"], **kwargs, **regulariser)
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing; the export in {folder} is incomplete")
