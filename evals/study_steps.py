@@ -248,6 +248,9 @@ FINETUNE_RECIPES = {  # MPP fine-tuning (seed 0) beside the sweep's SGD: name ->
     # last block at the full lr, each block below one factor `decay` less, the patch embedding
     # decay^6: the pretrained lower blocks move least. Chosen on held-out at the SGD sweep's lr.
     "ft_recipe_layer_decay": ["--sweep", "optim.layer_decay=0.65,0.75,0.85"],
+    # Stochastic depth (MAE fine-tunes with it): each block's residual branch dropped per
+    # sample, up to the rate at the last block. Chosen on held-out at the SGD sweep's lr.
+    "ft_recipe_drop_path": ["--sweep", "model.drop_path_rate=0.1,0.2"],
 }
 
 
