@@ -155,7 +155,8 @@ def recipes(r: Results) -> list[str]:
                      f"{pct(sweep['selected_top1'])} |")  # fmt: skip
     for name, overrides in FINETUNE_RECIPES.items():
         out = r.output(name)
-        what = " ".join(f"`{o}`" for o in overrides)
+        args = " ".join(overrides).replace("--sweep ", "--sweep=").split(" ")  # one span each
+        what = " ".join(f"`{a}`" for a in args)
         if not any(o.startswith("optim.lr=") for o in overrides) and sweep is not None:
             what += f" at the sweep's `optim.lr={sweep['chosen']['optim.lr']}`"
         held = "pending" if out is None else pct(out["selection_best_top1"])
