@@ -161,7 +161,8 @@ def _write(root: Path, name: str, result: dict) -> None:
 def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     res = tmp_path / "results/study"
-    sweep = {"chosen": {"optim.lr": 0.01}, "selected_top1": 0.90, "selection_best_top1": 0.91,
+    sweep = {"sweep": {"key": "optim.lr", "values": [0.01, 0.03]}, "chosen": {"optim.lr": 0.01},
+             "selected_top1": 0.90, "selection_best_top1": 0.91,
              "runs": [{"value": 0.01, "selection_best_top1": 0.91},
                       {"value": 0.03, "selection_best_top1": 0.89}]}  # fmt: skip
     _write(res, "ft_mpp_s0", sweep)
@@ -187,6 +188,12 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
              "pipeline_compiled": {"train/images_per_s": 814.5},
              "ratio_like_for_like": [0.87, 0.86]}  # fmt: skip
     _write(res, "speed", speed)
+    decay = {"sweep": {"key": "optim.layer_decay", "values": [0.65, 0.75]},
+             "chosen": {"optim.layer_decay": 0.75}, "selected_top1": 0.89,
+             "selection_best_top1": 0.905,
+             "runs": [{"value": 0.65, "selection_best_top1": 0.9},
+                      {"value": 0.75, "selection_best_top1": 0.905}]}  # fmt: skip
+    _write(res, "ft_recipe_layer_decay", decay)
     out = tmp_path / "RESULTS.md"
     study_report.write_report([], Path("results/study"), out, "budget", Path("runs/study"),
                               (1, 2, 4, 6), (0, 1, 2))  # fmt: skip
@@ -197,6 +204,10 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     # rising and 10+ above random, but below the 87 goal
     assert "6 ep 85.0; random 60.0 | no |" in text
     assert "| 50.0 / 40.0 / 60.0 / 70.0 | no |" in text  # few-shot falls from 1 to 5 shots
+    # a fine-tuning recipe with a sweep of its own: its key's choice, at the lr sweep's choice
+    assert ("| ft_recipe_layer_decay | `--sweep=optim.layer_decay=0.65,0.75,0.85` at the sweep's "
+            "`optim.lr=0.01`; chose 0.75 (held-out top-1 0.65: 90.00, 0.75: 90.50) | 90.5 | "
+            "89.0 |") in text  # fmt: skip
     assert (
         "| >= 0.9x | 0.91x (median of rounds 0.88, 0.91, 0.93; as a full run trains: the "
         "faster of the two (auto's trial); pipeline 790 eager, 814 compiled vs plain 900 "
