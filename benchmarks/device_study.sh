@@ -4,6 +4,7 @@
 #
 #   OUT=/tmp/device BUDGET=540 SSL_VIT_GIT_COMMIT=$(git rev-parse HEAD) \
 #       bash benchmarks/device_study.sh
+#   (lent-machine run: carry .whl .fmnist runs/study/mpp_hybrid_gpu/export)
 #
 # Where nothing can be installed (a lent machine with torch and timm but no internet), the other
 # dependencies travel beside the tree: .whl/*.whl (webdataset, mlflow-skinny and their needs for
@@ -39,9 +40,12 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || ex
 echo "shards ready at $(elapsed) s"
 
 # Two chains side by side: a small model leaves a GPU mostly idle between kernel launches.
-setsid $PY evals/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_s0 >"$LOGS/chain_mpp.log" 2>&1 &
+# Steps with a committed result are skipped; a fine-tune whose pretraining's export is not here
+# (carry runs/study/mpp_hybrid_gpu/export, 5 MB) pretrains it again first (4 minutes).
+setsid $PY evals/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_s{0,1,2} \
+    >"$LOGS/chain_mpp.log" 2>&1 &
 A=$!
-setsid $PY evals/study.py run --only scratch_hybrid_gpu_s0 >"$LOGS/chain_scratch.log" 2>&1 &
+setsid $PY evals/study.py run --only scratch_hybrid_gpu_s{0,1,2} >"$LOGS/chain_scratch.log" 2>&1 &
 B=$!
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv -l 10 >"$LOGS/gpu_util.csv" 2>&1 &
 PROFILED=

@@ -68,6 +68,12 @@ def arm_row(r: Results, label: str, steps: list[str], lr: str) -> str:
     return f"| {label} | {100 * mean:.2f} ± {100 * std:.2f} (n={len(scores)}) | {each} | {lr} |"
 
 
+def sweep_choice(r: Results, sweep: str) -> str:
+    """The value a sweep chose ("0.03"), or "pending"."""
+    out = r.output(sweep)
+    return "pending" if out is None else str(out["chosen"][out["sweep"]["key"]])
+
+
 def sweep_text(r: Results, sweep: str) -> str:
     """A sweep's chosen value and each value's held-out top-1: "0.03 (held-out top-1 ...)"."""
     out = r.output(sweep)
@@ -75,7 +81,7 @@ def sweep_text(r: Results, sweep: str) -> str:
         return "pending"
     held = ", ".join(f"{run['value']}: {100 * run['selection_best_top1']:.2f}"
                      for run in out["runs"])  # fmt: skip
-    return f"{out['chosen'][out['sweep']['key']]} (held-out top-1 {held})"
+    return f"{sweep_choice(r, sweep)} (held-out top-1 {held})"
 
 
 def readout_label(r: Results, evals: str) -> str:

@@ -7,14 +7,22 @@ import statistics
 from pathlib import Path
 
 from study_figures import figure_lines
-from study_results import Results, pct, sweep_text
+from study_results import Results, pct, sweep_choice, sweep_text
 
 LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two trainings (plan)
 HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
 P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid's two trainings (plan)
 SHIFT_ARMS = ("ft_mpp_long_shift_s0", "scratch_long_shift_s0")  # the longer schedule, 2-px shifts
 HYBRID_ARMS = ("ft_mpp_hybrid_s0", "scratch_hybrid_s0")  # the paper's hybrid, main budget
-GPU_ARMS = ("ft_mpp_hybrid_gpu_s0", "scratch_hybrid_gpu_s0")  # the hybrid at the GPU budget
+# the hybrid at the GPU budget, by seed (plan: evals/study.py gpu_track), and seed 0 of each
+GPU_FT = tuple(f"ft_mpp_hybrid_gpu_s{s}" for s in (0, 1, 2))
+GPU_SCRATCH = tuple(f"scratch_hybrid_gpu_s{s}" for s in (0, 1, 2))
+GPU_ARMS = (GPU_FT[0], GPU_SCRATCH[0])
+
+
+def reused_lr(r: Results, arms: dict[str, list[str]]) -> str:
+    """The lr of the fine-tunes that reuse the 16-token MPP sweep's choice instead of sweeping."""
+    return f"{sweep_choice(r, arms['mpp'][0])}, the 16-token sweep's (not swept)"
 
 
 def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
@@ -42,6 +50,7 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
              "total | MPP minus from scratch | MPP's lr (chosen on held-out) |",
              "|---|---|---|---|---|"]  # fmt: skip
     short = f"{PRETRAIN_EPOCHS} + {FINETUNE_EPOCHS} (seed 0)"
+    reused = reused_lr(r, arms)
     long = f"{LONG_PRETRAIN_EPOCHS} + {LONG_FINETUNE_EPOCHS} (seed 0)"
     budgets = ((short, arms["mpp"][0], arms["scratch"][0]), (long, *LONG_ARMS))
     for label, ft, scratch in budgets:
@@ -50,20 +59,19 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
 
     lines.append(f"| {P4_PRETRAIN_EPOCHS} + {P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 "
                  f"tokens, ~3x the compute per image) | {_pair(r, *P4_ARMS)} | "
-                 f"{_chosen(r, arms['mpp'][0])}, the 16-token sweep's (not swept) |")  # fmt: skip
+                 f"{reused} |")  # fmt: skip
     shift = " ".join(f"`{o}`" for o in SHIFT)
     lines.append(f"| {long}, random shifts of up to 2 px in every run ({shift}) | "
-                 f"{_pair(r, *SHIFT_ARMS)} | {_chosen(r, LONG_ARMS[0])}, the flips-only "
+                 f"{_pair(r, *SHIFT_ARMS)} | {sweep_choice(r, LONG_ARMS[0])}, the flips-only "
                  f"{long} sweep's (not swept) |")  # fmt: skip
     lines.append(f"| {short}, the paper's hybrid (ResNet stem at 32 px, 2x2 patches of its "
                  f"8x8 map: 16 tokens, ~1.3x the compute per image) | {_pair(r, *HYBRID_ARMS)} | "
-                 f"{_chosen(r, arms['mpp'][0])}, the 16-token sweep's (not swept) |")  # fmt: skip
+                 f"{reused} |")  # fmt: skip
     from study_steps import GPU_FINETUNE_EPOCHS, GPU_PRETRAIN_EPOCHS
 
     lines.append(f"| {GPU_PRETRAIN_EPOCHS} + {GPU_FINETUNE_EPOCHS} (seed 0), the paper's hybrid "
                  f"on one GPU ({_gpu_of(r, GPU_ARMS[1])}; `train.precision=auto`: bf16 from Ampere "
-                 f"on) | {_pair(r, *GPU_ARMS)} | {_chosen(r, arms['mpp'][0])}, the 16-token "
-                 "sweep's (not swept) |")  # fmt: skip
+                 f"on) | {_pair(r, *GPU_ARMS)} | {reused} |")  # fmt: skip
     hires = r.output(HIRES_ARM)
     held = "pending" if hires is None else pct(hires["selection_best_top1"])
     lines.append(f"| {long}, fine-tuned at {HIRES} px (6x6 tokens, ~2.4x the fine-tuning "
@@ -83,11 +91,6 @@ def _gpu_of(r: Results, step: str) -> str:
     """The GPU a step's result was measured on, as its machine line names it."""
     res = r.get(step)
     return "pending" if res is None else res["machine"].split("; ")[3]
-
-
-def _chosen(r: Results, sweep: str) -> str:
-    out = r.output(sweep)
-    return "pending" if out is None else str(out["chosen"]["optim.lr"])
 
 
 def dynamic(r: Results, root: Path, results: Path) -> list[str]:
