@@ -321,6 +321,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("objective.mask_prob + objective.random_prob must be within [0, 1]")
     if not 0 <= m.drop_path_rate < 1:
         raise ConfigError(f"model.drop_path_rate={m.drop_path_rate}: must be in [0, 1)")
+    if "drop_path_rate" in m.kwargs:
+        raise ConfigError("model.kwargs.drop_path_rate: set model.drop_path_rate instead")
     if m.patch_size is not None and not m.init_from and m.img_size % m.patch_size:
         raise ConfigError(
             f"model.img_size={m.img_size} is not divisible by model.patch_size={m.patch_size}"

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT
 from torch import nn
 
 from ssl_vit.config import ConfigError, load_config
@@ -138,6 +139,13 @@ def test_drop_path_for_fine_tuning_is_not_kept_in_the_export(tmp_path):
     assert not torch.allclose(loaded.train()(x), model(x))  # blocks dropped per sample
     with pytest.raises(ConfigError, match="model.drop_path_rate"):
         load_config(None, ["model.drop_path_rate=1.0"])
+    with pytest.raises(ConfigError, match="set model.drop_path_rate instead"):
+        load_config(None, ["model.kwargs={drop_path_rate: 0.1}"])
+    # an export made with the rate among its kwargs (before model.drop_path_rate) loads too
+    meta["kwargs"]["drop_path_rate"] = 0.1
+    (tmp_path / "backbone.json").write_text(json.dumps(meta))
+    again, _ = load_backbone(tmp_path, drop_path_rate=0.2)
+    assert again.blocks[-1].drop_path1.drop_prob == pytest.approx(0.2)
 
 
 def test_load_at_new_img_size_interpolates_pos_embed(tmp_path):
@@ -220,3 +228,33 @@ def test_count_train_flops_includes_attention_on_cpu():
     flops = count_train_flops(Attn(), torch.randn(b, h, t, d), torch.zeros(b, dtype=torch.long))
     # forward alone: QK^T and AV, 2 * (2*B*H*T*T*d); CPU's flash kernel would count as 0
     assert flops >= 2 * (2 * b * h * t * t * d)
+
+
+def test_layer_decay_gives_each_block_its_lr_and_keeps_the_decay_exemptions():
+    """optim.layer_decay (fine-tuning option): the head and the last block (with the final
+    norm) at the full lr, each block below one factor less, the patch embedding the least."""
+    from ssl_vit.engine.optim import make_optimizer
+    from ssl_vit.objectives import build_objective
+
+    depth, decay, lr = 3, 0.5, 0.1
+    bb = build_backbone("vit_tiny_patch16_224", img_size=28, in_chans=1, patch_size=4,
+                        **{**TINY, "depth": depth})  # fmt: skip
+    sup = build_objective("finetune", bb, num_classes=10, mean=[0.5], std=[0.25])
+    overrides = [f"optim.layer_decay={decay}", f"optim.lr={lr}", "optim.weight_decay=0.05"]
+    cfg = load_config(str(ROOT / "configs/fmnist_finetune.yaml"), overrides)
+    opt, sched = make_optimizer(sup, cfg, total_steps=100)
+    peak, wd = {}, {}
+    for group, group_peak in zip(opt.param_groups, sched.peaks, strict=True):
+        for p in group["params"]:
+            peak[id(p)], wd[id(p)] = group_peak, group["weight_decay"]
+    named = dict(sup.named_parameters())
+    assert set(peak) == {id(p) for p in named.values()}  # every weight in exactly one group
+    want = {"head.weight": lr, "backbone.norm.weight": lr,
+            "backbone.patch_embed.proj.weight": lr * decay**depth,
+            **{f"backbone.blocks.{i}.mlp.fc1.weight": lr * decay ** (depth - 1 - i)
+               for i in range(depth)}}  # fmt: skip
+    for name, value in want.items():
+        assert peak[id(named[name])] == pytest.approx(value), name
+    assert wd[id(named["backbone.blocks.0.mlp.fc1.weight"])] == 0.05
+    for exempt in ("backbone.pos_embed", "backbone.blocks.0.norm1.weight", "head.bias"):
+        assert wd[id(named[exempt])] == 0.0, exempt

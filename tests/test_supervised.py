@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
 from torch import nn
 
 from ssl_vit.models import build_backbone
@@ -117,32 +116,3 @@ def test_supervised_fits_a_separable_batch():
     finally:
         torch.set_num_threads(threads)
     assert metrics["sup/acc"].item() == 1.0 and loss.item() < 0.2
-
-
-def test_layer_decay_gives_each_block_its_lr_and_keeps_the_decay_exemptions():
-    """optim.layer_decay (fine-tuning option): the head and the last block (with the final
-    norm) at the full lr, each block below one factor less, the patch embedding the least."""
-    from ssl_vit.config import load_config
-    from ssl_vit.engine.optim import make_optimizer
-
-    depth, decay, lr = 3, 0.5, 0.1
-    bb = _backbone(embed_dim=32, depth=depth, num_heads=2)
-    sup = build_objective("finetune", bb, num_classes=10, mean=[0.5], std=[0.25])
-    overrides = [f"optim.layer_decay={decay}", f"optim.lr={lr}", "optim.weight_decay=0.05"]
-    cfg = load_config(str(ROOT / "configs/fmnist_finetune.yaml"), overrides)
-    opt, sched = make_optimizer(sup, cfg, total_steps=100)
-    peak, wd = {}, {}
-    for group, group_peak in zip(opt.param_groups, sched.peaks, strict=True):
-        for p in group["params"]:
-            peak[id(p)], wd[id(p)] = group_peak, group["weight_decay"]
-    named = dict(sup.named_parameters())
-    assert set(peak) == {id(p) for p in named.values()}  # every weight in exactly one group
-    want = {"head.weight": lr, "backbone.norm.weight": lr,
-            "backbone.patch_embed.proj.weight": lr * decay**depth,
-            **{f"backbone.blocks.{i}.mlp.fc1.weight": lr * decay ** (depth - 1 - i)
-               for i in range(depth)}}  # fmt: skip
-    for name, value in want.items():
-        assert peak[id(named[name])] == pytest.approx(value), name
-    assert wd[id(named["backbone.blocks.0.mlp.fc1.weight"])] == 0.05
-    for exempt in ("backbone.pos_embed", "backbone.blocks.0.norm1.weight", "head.bias"):
-        assert wd[id(named[exempt])] == 0.0, exempt

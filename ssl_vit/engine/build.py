@@ -58,9 +58,8 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
     else:
         in_chans = m.in_chans or manifest.channels
         kwargs = m.backbone_kwargs(in_chans)
-        regulariser = {"drop_path_rate": m.drop_path_rate} if m.drop_path_rate else {}
-        try:
-            backbone = build_backbone(m.arch, **{**kwargs, **regulariser})  # not in the export
+        try:  # the drop-path rate trains this run only: not in the export's kwargs
+            backbone = build_backbone(m.arch, **kwargs, drop_path_rate=m.drop_path_rate)
         except (ValueError, TypeError) as e:  # unknown arch, kwargs timm does not take
             raise ConfigError(f"model.arch={m.arch!r} with model.kwargs={m.kwargs}: {e}") from None
         spec = ModelSpec(m.arch, kwargs, in_chans, manifest.mean, manifest.std)

@@ -50,7 +50,13 @@ def _mixer_with_patch_size(
 
 
 def build_backbone(
-    arch: str, *, img_size: int, in_chans: int, patch_size: int | None = None, **timm_kwargs
+    arch: str,
+    *,
+    img_size: int,
+    in_chans: int,
+    patch_size: int | None = None,
+    drop_path_rate: float = 0.0,
+    **timm_kwargs,
 ) -> nn.Module:
     """Build a randomly initialised timm backbone without a classifier (num_classes=0).
 
@@ -60,11 +66,14 @@ def build_backbone(
         img_size: input resolution (square).
         in_chans: 3 for RGB, 1 for grayscale.
         patch_size: overrides the architecture's patch size (for hybrids: in feature-map pixels).
-        **timm_kwargs: passed to `timm.create_model` (embed_dim, depth, drop_path_rate...).
+        drop_path_rate: stochastic depth for training (> 0 only: timm's default otherwise).
+        **timm_kwargs: passed to `timm.create_model` (embed_dim, depth, num_heads...).
     """
     if timm_kwargs.pop("pretrained", False):
         raise ValueError("build_backbone builds random weights; load weights with load_backbone")
     timm_kwargs.pop("num_classes", None)
+    if drop_path_rate:
+        timm_kwargs["drop_path_rate"] = drop_path_rate
     if arch.startswith("mixer_") and patch_size is not None:
         model = _mixer_with_patch_size(
             arch, img_size=img_size, in_chans=in_chans, patch_size=patch_size, **timm_kwargs

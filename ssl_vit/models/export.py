@@ -110,11 +110,11 @@ def load_backbone(
             "upgrade ssl-vit or re-export"
         )
     kwargs = dict(meta["kwargs"])
+    kwargs.pop("drop_path_rate", None)  # a training setting, inert in eval: ours wins
     old_size = int(kwargs["img_size"])
     if img_size is not None:
         kwargs["img_size"] = int(img_size)
-    regulariser = {"drop_path_rate": drop_path_rate} if drop_path_rate else {}
-    model = build_backbone(meta["arch"], **kwargs, **regulariser)
+    model = build_backbone(meta["arch"], **kwargs, drop_path_rate=drop_path_rate)
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing; the export in {folder} is incomplete")
