@@ -33,6 +33,7 @@ from study_steps import (  # noqa: F401  (Step, STUDY, ...: what tests and tools
     EAGER,
     FINETUNE_EPOCHS,
     FINETUNE_RECIPES,
+    FT_LONG_EPOCHS,
     GPU_FINETUNE_EPOCHS,
     GPU_PRETRAIN_EPOCHS,
     GPU_RUN,
@@ -191,6 +192,9 @@ def plan() -> list[Step]:
             ("mpp",),
         ),  # fmt: skip
         *evals("random_readout", [*RANDOM, *READOUT]),
+        # A longer fine-tune of the main pretraining against from scratch for the sum.
+        finetune("mpp", SEEDS[0], FT_LONG_EPOCHS, f"ft_mpp_s{SEEDS[0]}", name="ft_mpp_longft_s0"),
+        scratch(SEEDS[0], PRETRAIN_EPOCHS + FT_LONG_EPOCHS, "scratch_longft"),
         *gpu_track(py),
     ]
 

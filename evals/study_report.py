@@ -23,6 +23,8 @@ from study_results import (
     sweep_text,
 )
 from study_tables import (
+    FT_LONG_ARMS,
+    FT_LONG_LABEL,
     GPU_ARMS,
     GPU_FT,
     GPU_SCRATCH,
@@ -98,7 +100,8 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
               ("4x4 patches", [P4_ARMS[0]]),
               ("longer schedule, 2-px shifts", [SHIFT_ARMS[0]]),
               ("the paper's hybrid", [HYBRID_ARMS[0]]),
-              ("the paper's hybrid, GPU budget", list(GPU_FT)))  # fmt: skip
+              ("the paper's hybrid, GPU budget", list(GPU_FT)),
+              (FT_LONG_LABEL, [FT_LONG_ARMS[0]]))  # fmt: skip
     for label, steps in single:
         if scores := arm_scores(r, steps):
             m, n = 100 * mean_std(scores)[0], len(scores)
@@ -112,7 +115,8 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
              ("4x4 patches", [P4_ARMS[0]], [P4_ARMS[1]]),
              ("longer schedule, 2-px shifts", [SHIFT_ARMS[0]], [SHIFT_ARMS[1]]),
              ("the paper's hybrid", [HYBRID_ARMS[0]], [HYBRID_ARMS[1]]),
-             ("the paper's hybrid, GPU budget", list(GPU_FT), list(GPU_SCRATCH)))  # fmt: skip
+             ("the paper's hybrid, GPU budget", list(GPU_FT), list(GPU_SCRATCH)),
+             (FT_LONG_LABEL, [FT_LONG_ARMS[0]], [FT_LONG_ARMS[1]]))  # fmt: skip
     for label, ft, base in pairs:
         a, b = arm_scores(r, ft), arm_scores(r, base)
         if not a or not b:
@@ -286,7 +290,9 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  ("MPP, fine-tuned, the paper's hybrid", HYBRID_ARMS[0]),
                  ("from scratch, the paper's hybrid", HYBRID_ARMS[1]),
                  ("MPP, fine-tuned, the paper's hybrid, GPU budget", GPU_ARMS[0]),
-                 ("from scratch, the paper's hybrid, GPU budget", GPU_ARMS[1])]  # fmt: skip
+                 ("from scratch, the paper's hybrid, GPU budget", GPU_ARMS[1]),
+                 (f"MPP, fine-tuned, {FT_LONG_LABEL}", FT_LONG_ARMS[0]),
+                 (f"from scratch, {FT_LONG_LABEL}", FT_LONG_ARMS[1])]  # fmt: skip
     figures = [
         curve_figure(r, root / results / "pretraining_curve.png", pretrainings, RANDOM_OF),
         loss_figure(r, root / results / "finetune_loss.png",

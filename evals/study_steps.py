@@ -55,6 +55,11 @@ READOUT = ["--layer", "auto"]
 # (benchmarks/device_study.sh): MPP 40 epochs + fine-tuning 10 against from scratch for the sum,
 # the same recipe and batches, eager (compiling costs a minute of a 10-minute lease). Single
 # seed, marked so; the frozen evaluations of its export run on any machine.
+# A longer fine-tune of the main pretraining (single seed): the 2-epoch fine-tune underfits
+# (its loss still falls; layer decay and drop path, which slow or drop blocks, score lower on
+# held-out), so does giving fine-tuning the epochs, at equal total compute, move MPP past
+# from scratch? 6 + 6 against from scratch 12, the lr the 2-epoch sweep chose.
+FT_LONG_EPOCHS = 6
 GPU_PRETRAIN_EPOCHS = 40
 GPU_SNAPSHOTS = (10, 20, 40)
 GPU_FINETUNE_EPOCHS = 10
@@ -156,10 +161,13 @@ def finetune(
     epochs: int = FINETUNE_EPOCHS,
     lr_from: str | None = None,
     *overrides: str,
+    name: str | None = None,
 ) -> Step:
-    """Fine-tuning of `pretrain`'s export; seed 0 sweeps the paper's lr grid on held-out unless
-    `lr_from` names the fine-tuning step whose choice to reuse (as the other seeds do)."""
-    name, run = f"ft_{pretrain}_s{seed}", STUDY / f"ft_{pretrain}_s{seed}"
+    """Fine-tuning of `pretrain`'s export (step `name`, by default ft_<pretrain>_s<seed>);
+    seed 0 sweeps the paper's lr grid on held-out unless `lr_from` names the fine-tuning step
+    whose choice to reuse (as the other seeds do)."""
+    name = name or f"ft_{pretrain}_s{seed}"
+    run = STUDY / name
     schedule = [f"train.epochs={epochs}" if a.startswith("train.epochs=") else a for a in FINETUNE]
     base = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *schedule,
             f"model.init_from={STUDY / pretrain}", f"run.seed={seed}", *overrides]  # fmt: skip

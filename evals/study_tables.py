@@ -8,12 +8,15 @@ from pathlib import Path
 
 from study_figures import figure_lines
 from study_results import Results, pct, sweep_choice, sweep_text
+from study_steps import FT_LONG_EPOCHS, PRETRAIN_EPOCHS
 
 LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two trainings (plan)
 HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
 P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid's two trainings (plan)
 SHIFT_ARMS = ("ft_mpp_long_shift_s0", "scratch_long_shift_s0")  # the longer schedule, 2-px shifts
 HYBRID_ARMS = ("ft_mpp_hybrid_s0", "scratch_hybrid_s0")  # the paper's hybrid, main budget
+FT_LONG_ARMS = ("ft_mpp_longft_s0", "scratch_longft_s0")  # the main pretraining, longer fine-tune
+FT_LONG_LABEL = f"longer fine-tune ({PRETRAIN_EPOCHS} + {FT_LONG_EPOCHS} epochs)"
 # the hybrid at the GPU budget, by seed (plan: evals/study.py gpu_track), and seed 0 of each
 GPU_FT = tuple(f"ft_mpp_hybrid_gpu_s{s}" for s in (0, 1, 2))
 GPU_SCRATCH = tuple(f"scratch_hybrid_gpu_s{s}" for s in (0, 1, 2))
@@ -34,7 +37,6 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
         LONG_FINETUNE_EPOCHS,
         LONG_PRETRAIN_EPOCHS,
         LONG_SNAPSHOTS,
-        PRETRAIN_EPOCHS,
     )
 
     lines = ["", "## Longer schedules and the finer grid (single seed)", "",
@@ -72,6 +74,8 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     lines.append(f"| {GPU_PRETRAIN_EPOCHS} + {GPU_FINETUNE_EPOCHS} (seed 0), the paper's hybrid "
                  f"on one GPU ({_gpu_of(r, GPU_ARMS[1])}; `train.precision=auto`: bf16 from Ampere "
                  f"on) | {_pair(r, *GPU_ARMS)} | {reused} |")  # fmt: skip
+    lines.append(f"| {PRETRAIN_EPOCHS} + {FT_LONG_EPOCHS} (seed 0), the main pretraining with a "
+                 f"longer fine-tune | {_pair(r, *FT_LONG_ARMS)} | {reused} |")  # fmt: skip
     hires = r.output(HIRES_ARM)
     held = "pending" if hires is None else pct(hires["selection_best_top1"])
     lines.append(f"| {long}, fine-tuned at {HIRES} px (6x6 tokens, ~2.4x the fine-tuning "
