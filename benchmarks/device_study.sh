@@ -4,7 +4,8 @@
 #
 #   OUT=/tmp/device BUDGET=540 SSL_VIT_GIT_COMMIT=$(git rev-parse HEAD) \
 #       bash benchmarks/device_study.sh
-#   (lent-machine run: carry .whl .fmnist runs/study/mpp_hybrid_gpu/export)
+#   (lent-machine run: carry .whl .fmnist runs/study/mpp_hybrid_gpu/export and .../export_epoch20,
+#   63.6 of the 64 MiB a carry may hold)
 #
 # Where nothing can be installed (a lent machine with torch and timm but no internet), the other
 # dependencies travel beside the tree: .whl/*.whl (webdataset, mlflow-skinny and their needs for
@@ -40,9 +41,10 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || ex
 echo "shards ready at $(elapsed) s"
 
 # Two chains side by side: a small model leaves a GPU mostly idle between kernel launches.
-# Steps with a committed result are skipped; a fine-tune whose pretraining's export is not here
-# (carry runs/study/mpp_hybrid_gpu/export, 5 MB) pretrains it again first (4 minutes).
-setsid $PY evals/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_s{0,1,2} \
+# Steps with a committed result are skipped, the rest run in the plan's order (the 20 + 30
+# split first); a fine-tune whose pretraining's export is not here (carried: above) pretrains
+# it again first (4 minutes).
+setsid $PY evals/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_{e20_s0,s0,s1,s2} \
     >"$LOGS/chain_mpp.log" 2>&1 &
 A=$!
 setsid $PY evals/study.py run --only scratch_hybrid_gpu_s{0,1,2} >"$LOGS/chain_scratch.log" 2>&1 &

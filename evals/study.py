@@ -39,6 +39,7 @@ from study_steps import (  # noqa: F401  (Step, STUDY, ...: what tests and tools
     GPU_RUN,
     GPU_SCRATCH_EPOCHS,
     GPU_SNAPSHOTS,
+    GPU_SPLIT,
     HYBRID,
     LONG_FINETUNE_EPOCHS,
     LONG_PRETRAIN_EPOCHS,
@@ -210,6 +211,8 @@ def gpu_track(py: str) -> list[Step]:
         ),  # fmt: skip
         # every seed fine-tunes the one pretraining, with the 16-token sweep's lr, as the main
         # comparison's seeds do: seeds 1-2 give the GPU budget its error bars (issue 13 item 5)
+        finetune(mpp, SEEDS[0], GPU_SPLIT[1], f"ft_mpp_s{SEEDS[0]}", HYBRID[1], *GPU_RUN,
+                 name=f"ft_{mpp}_e{GPU_SPLIT[0]}_s{SEEDS[0]}", snapshot=GPU_SPLIT[0]),
         *(finetune(mpp, seed, GPU_FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}", HYBRID[1], *GPU_RUN)
           for seed in SEEDS),
         *(scratch(seed, GPU_SCRATCH_EPOCHS, "scratch_hybrid_gpu", *HYBRID, *GPU_RUN)

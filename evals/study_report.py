@@ -28,6 +28,8 @@ from study_tables import (
     GPU_ARMS,
     GPU_FT,
     GPU_SCRATCH,
+    GPU_SPLIT_ARM,
+    GPU_SPLIT_LABEL,
     HIRES_ARM,
     HYBRID_ARMS,
     LONG_ARMS,
@@ -101,7 +103,8 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
               ("longer schedule, 2-px shifts", [SHIFT_ARMS[0]]),
               ("the paper's hybrid", [HYBRID_ARMS[0]]),
               ("the paper's hybrid, GPU budget", list(GPU_FT)),
-              (FT_LONG_LABEL, [FT_LONG_ARMS[0]]))  # fmt: skip
+              (FT_LONG_LABEL, [FT_LONG_ARMS[0]]),
+              (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM]))  # fmt: skip
     for label, steps in single:
         if scores := arm_scores(r, steps):
             m, n = 100 * mean_std(scores)[0], len(scores)
@@ -116,7 +119,8 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
              ("longer schedule, 2-px shifts", [SHIFT_ARMS[0]], [SHIFT_ARMS[1]]),
              ("the paper's hybrid", [HYBRID_ARMS[0]], [HYBRID_ARMS[1]]),
              ("the paper's hybrid, GPU budget", list(GPU_FT), list(GPU_SCRATCH)),
-             (FT_LONG_LABEL, [FT_LONG_ARMS[0]], [FT_LONG_ARMS[1]]))  # fmt: skip
+             (FT_LONG_LABEL, [FT_LONG_ARMS[0]], [FT_LONG_ARMS[1]]),
+             (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM], [GPU_ARMS[1]]))  # fmt: skip
     for label, ft, base in pairs:
         a, b = arm_scores(r, ft), arm_scores(r, base)
         if not a or not b:
@@ -292,7 +296,8 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  ("MPP, fine-tuned, the paper's hybrid, GPU budget", GPU_ARMS[0]),
                  ("from scratch, the paper's hybrid, GPU budget", GPU_ARMS[1]),
                  (f"MPP, fine-tuned, {FT_LONG_LABEL}", FT_LONG_ARMS[0]),
-                 (f"from scratch, {FT_LONG_LABEL}", FT_LONG_ARMS[1])]  # fmt: skip
+                 (f"from scratch, {FT_LONG_LABEL}", FT_LONG_ARMS[1]),
+                 (f"MPP, fine-tuned, {GPU_SPLIT_LABEL}", GPU_SPLIT_ARM)]  # fmt: skip
     figures = [
         curve_figure(r, root / results / "pretraining_curve.png", pretrainings, RANDOM_OF),
         loss_figure(r, root / results / "finetune_loss.png",

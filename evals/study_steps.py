@@ -64,6 +64,11 @@ GPU_PRETRAIN_EPOCHS = 40
 GPU_SNAPSHOTS = (10, 20, 40)
 GPU_FINETUNE_EPOCHS = 10
 GPU_SCRATCH_EPOCHS = GPU_PRETRAIN_EPOCHS + GPU_FINETUNE_EPOCHS
+# The same 50 epochs split toward fine-tuning (the CPU's 6 + 6 closed most of 6 + 2's gap, and
+# the 40 + 10 fine-tune was still rising): the run's epoch-20 snapshot fine-tuned 30 epochs,
+# against the from-scratch 50 already run. (A snapshot of a 40-epoch schedule, its lr not yet
+# annealed: 20 epochs of compute, not a 20-epoch run's best.)
+GPU_SPLIT = (20, GPU_SCRATCH_EPOCHS - 20)
 EAGER = ["train.compile=false"]
 # On a GPU a step takes ~20 ms: a checkpoint every 50 steps (sized for a 2-core CPU, where 50
 # steps are a minute) would save one a second, and a lent machine's files go with it anyway.
@@ -162,15 +167,17 @@ def finetune(
     lr_from: str | None = None,
     *overrides: str,
     name: str | None = None,
+    snapshot: int | None = None,
 ) -> Step:
-    """Fine-tuning of `pretrain`'s export (step `name`, by default ft_<pretrain>_s<seed>);
-    seed 0 sweeps the paper's lr grid on held-out unless `lr_from` names the fine-tuning step
-    whose choice to reuse (as the other seeds do)."""
+    """Fine-tuning of `pretrain`'s export (or its `snapshot` epoch's) as step `name`, by default
+    ft_<pretrain>_s<seed>; seed 0 sweeps the paper's lr grid on held-out unless `lr_from` names
+    the fine-tuning step whose choice to reuse (as the other seeds do)."""
     name = name or f"ft_{pretrain}_s{seed}"
     run = STUDY / name
+    source = STUDY / pretrain / (f"export_epoch{snapshot}" if snapshot else "")
     schedule = [f"train.epochs={epochs}" if a.startswith("train.epochs=") else a for a in FINETUNE]
     base = ["evals/finetune.py", "--config", FT, f"run.dir={run}", *COMMON, *schedule,
-            f"model.init_from={STUDY / pretrain}", f"run.seed={seed}", *overrides]  # fmt: skip
+            f"model.init_from={source}", f"run.seed={seed}", *overrides]  # fmt: skip
     if seed == SEEDS[0] and lr_from is None:  # the lr sweep; the other seeds reuse its choice
         sweep = lambda: [*base, *chosen_augmentation(), "--sweep", f"optim.lr={FINETUNE_LRS}"]  # noqa: E731
         return Step(name, sweep, run / "results.json", (pretrain,), run)

@@ -21,6 +21,8 @@ FT_LONG_LABEL = f"longer fine-tune ({PRETRAIN_EPOCHS} + {FT_LONG_EPOCHS} epochs)
 GPU_FT = tuple(f"ft_mpp_hybrid_gpu_s{s}" for s in (0, 1, 2))
 GPU_SCRATCH = tuple(f"scratch_hybrid_gpu_s{s}" for s in (0, 1, 2))
 GPU_ARMS = (GPU_FT[0], GPU_SCRATCH[0])
+GPU_SPLIT_ARM = "ft_mpp_hybrid_gpu_e20_s0"  # its epoch-20 snapshot fine-tuned 30 epochs (plan)
+GPU_SPLIT_LABEL = "the paper's hybrid, GPU budget split 20 + 30"
 
 
 def reused_lr(r: Results, arms: dict[str, list[str]]) -> str:
@@ -74,6 +76,9 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     lines.append(f"| {GPU_PRETRAIN_EPOCHS} + {GPU_FINETUNE_EPOCHS} (seed 0), the paper's hybrid "
                  f"on one GPU ({_gpu_of(r, GPU_ARMS[1])}; `train.precision=auto`: bf16 from Ampere "
                  f"on) | {_pair(r, *GPU_ARMS)} | {reused} |")  # fmt: skip
+    lines.append(f"| 20 + 30 (seed 0), the same GPU run's epoch-20 snapshot fine-tuned 30 epochs "
+                 f"(against the same from scratch 50) | {_pair(r, GPU_SPLIT_ARM, GPU_ARMS[1])} | "
+                 f"{reused} |")  # fmt: skip
     lines.append(f"| {PRETRAIN_EPOCHS} + {FT_LONG_EPOCHS} (seed 0), the main pretraining with a "
                  f"longer fine-tune | {_pair(r, *FT_LONG_ARMS)} | {reused} |")  # fmt: skip
     hires = r.output(HIRES_ARM)
