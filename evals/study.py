@@ -209,10 +209,11 @@ def gpu_track(py: str) -> list[Step]:
         pretrain(
             mpp, MPP, py, *HYBRID, *GPU_RUN, epochs=GPU_PRETRAIN_EPOCHS, snapshots=GPU_SNAPSHOTS
         ),  # fmt: skip
-        # every seed fine-tunes the one pretraining, with the 16-token sweep's lr, as the main
-        # comparison's seeds do: seeds 1-2 give the GPU budget its error bars (issue 13 item 5)
+        # the same 50 epochs split 20 + 30 (study_steps.GPU_SPLIT): first, goal 2's best bet
         finetune(mpp, SEEDS[0], GPU_SPLIT[1], f"ft_mpp_s{SEEDS[0]}", HYBRID[1], *GPU_RUN,
                  name=f"ft_{mpp}_e{GPU_SPLIT[0]}_s{SEEDS[0]}", snapshot=GPU_SPLIT[0]),
+        # every seed fine-tunes the one pretraining, with the 16-token sweep's lr, as the main
+        # comparison's seeds do: seeds 1-2 give the GPU budget its error bars (issue 13 item 5)
         *(finetune(mpp, seed, GPU_FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}", HYBRID[1], *GPU_RUN)
           for seed in SEEDS),
         *(scratch(seed, GPU_SCRATCH_EPOCHS, "scratch_hybrid_gpu", *HYBRID, *GPU_RUN)

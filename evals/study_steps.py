@@ -51,15 +51,15 @@ RANDOM_HYBRID = ["--random-init", "vit_tiny_r_s16_p8_224", "--patch-size", "2", 
 # Frozen features read where they are best: `--layer auto` picks the block and pooling (mean or
 # the 16 patch tokens concatenated) by kNN on the held-out 2% of train (issue 13, frozen goals).
 READOUT = ["--layer", "auto"]
-# The GPU track (issue 13, goals 1-2): the hybrid at 5x the main budget on a lent GPU
-# (benchmarks/device_study.sh): MPP 40 epochs + fine-tuning 10 against from scratch for the sum,
-# the same recipe and batches, eager (compiling costs a minute of a 10-minute lease). Single
-# seed, marked so; the frozen evaluations of its export run on any machine.
 # A longer fine-tune of the main pretraining (single seed): the 2-epoch fine-tune underfits
 # (its loss still falls; layer decay and drop path, which slow or drop blocks, score lower on
 # held-out), so does giving fine-tuning the epochs, at equal total compute, move MPP past
 # from scratch? 6 + 6 against from scratch 12, the lr the 2-epoch sweep chose.
 FT_LONG_EPOCHS = 6
+# The GPU track (issue 13, goals 1-2): the hybrid at 5x the main budget on a lent GPU
+# (benchmarks/device_study.sh): MPP 40 epochs + fine-tuning 10 against from scratch for the sum,
+# the same recipe and batches, eager (compiling costs a minute of a 10-minute lease). Single
+# seed, marked so; the frozen evaluations of its export run on any machine.
 GPU_PRETRAIN_EPOCHS = 40
 GPU_SNAPSHOTS = (10, 20, 40)
 GPU_FINETUNE_EPOCHS = 10
