@@ -65,7 +65,7 @@ GPU_SNAPSHOTS = (10, 20, 40)
 GPU_FINETUNE_EPOCHS = 10
 GPU_SCRATCH_EPOCHS = GPU_PRETRAIN_EPOCHS + GPU_FINETUNE_EPOCHS
 # The same 50 epochs split toward fine-tuning (the CPU's 6 + 6 closed most of 6 + 2's gap, and
-# the 40 + 10 fine-tune was still rising): the run's epoch-20 snapshot fine-tuned 30 epochs,
+# the 40 + 10 fine-tune's loss was still falling): the run's epoch-20 snapshot fine-tuned 30,
 # against the from-scratch 50 already run. (A snapshot of a 40-epoch schedule, its lr not yet
 # annealed: 20 epochs of compute, not a 20-epoch run's best.)
 GPU_SPLIT = (20, GPU_SCRATCH_EPOCHS - 20)
