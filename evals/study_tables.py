@@ -8,7 +8,7 @@ from pathlib import Path
 
 from study_figures import figure_lines
 from study_results import Results, pct, sweep_choice, sweep_text
-from study_steps import FT_LONG_EPOCHS, PRETRAIN_EPOCHS
+from study_steps import FT_LONG_EPOCHS, GPU_SPLIT, PRETRAIN_EPOCHS
 
 LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two trainings (plan)
 HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
@@ -21,8 +21,8 @@ FT_LONG_LABEL = f"longer fine-tune ({PRETRAIN_EPOCHS} + {FT_LONG_EPOCHS} epochs)
 GPU_FT = tuple(f"ft_mpp_hybrid_gpu_s{s}" for s in (0, 1, 2))
 GPU_SCRATCH = tuple(f"scratch_hybrid_gpu_s{s}" for s in (0, 1, 2))
 GPU_ARMS = (GPU_FT[0], GPU_SCRATCH[0])
-GPU_SPLIT_ARM = "ft_mpp_hybrid_gpu_e20_s0"  # its epoch-20 snapshot fine-tuned 30 epochs (plan)
-GPU_SPLIT_LABEL = "the paper's hybrid, GPU budget split 20 + 30"
+GPU_SPLIT_ARM = f"ft_mpp_hybrid_gpu_e{GPU_SPLIT[0]}_s0"  # a snapshot fine-tuned longer (plan)
+GPU_SPLIT_LABEL = f"the paper's hybrid, GPU budget split {GPU_SPLIT[0]} + {GPU_SPLIT[1]}"
 
 
 def reused_lr(r: Results, arms: dict[str, list[str]]) -> str:
@@ -76,9 +76,10 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     lines.append(f"| {GPU_PRETRAIN_EPOCHS} + {GPU_FINETUNE_EPOCHS} (seed 0), the paper's hybrid "
                  f"on one GPU ({_gpu_of(r, GPU_ARMS[1])}; `train.precision=auto`: bf16 from Ampere "
                  f"on) | {_pair(r, *GPU_ARMS)} | {reused} |")  # fmt: skip
-    lines.append(f"| 20 + 30 (seed 0), the same GPU run's epoch-20 snapshot fine-tuned 30 epochs "
-                 f"(against the same from scratch 50) | {_pair(r, GPU_SPLIT_ARM, GPU_ARMS[1])} | "
-                 f"{reused} |")  # fmt: skip
+    (pre, ft), total = GPU_SPLIT, sum(GPU_SPLIT)
+    lines.append(f"| {pre} + {ft} (seed 0), the same GPU run's epoch-{pre} snapshot fine-tuned "
+                 f"{ft} epochs (against the same from scratch {total}) | "
+                 f"{_pair(r, GPU_SPLIT_ARM, GPU_ARMS[1])} | {reused} |")  # fmt: skip
     lines.append(f"| {PRETRAIN_EPOCHS} + {FT_LONG_EPOCHS} (seed 0), the main pretraining with a "
                  f"longer fine-tune | {_pair(r, *FT_LONG_ARMS)} | {reused} |")  # fmt: skip
     hires = r.output(HIRES_ARM)
