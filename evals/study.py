@@ -72,6 +72,7 @@ from study_steps import (  # noqa: F401  (Step, STUDY, ...: what tests and tools
     finetune,
     finetune_hires,
     finetune_recipe,
+    ft_long_arms,
     inspection,
     pretrain,
     recipe,
@@ -193,11 +194,19 @@ def plan() -> list[Step]:
             ("mpp",),
         ),  # fmt: skip
         *evals("random_readout", [*RANDOM, *READOUT]),
-        # A longer fine-tune of the main pretraining against from scratch for the sum.
-        finetune("mpp", SEEDS[0], FT_LONG_EPOCHS, f"ft_mpp_s{SEEDS[0]}", name="ft_mpp_longft_s0"),
-        scratch(SEEDS[0], PRETRAIN_EPOCHS + FT_LONG_EPOCHS, "scratch_longft"),
+        *longer_finetunes(),
         *gpu_track(py),
     ]
+
+
+def longer_finetunes() -> list[Step]:
+    """The main pretraining fine-tuned longer, each length against from scratch for the sum."""
+    steps = []
+    for epochs in FT_LONG_EPOCHS:
+        ft, base = ft_long_arms(epochs)
+        steps.append(finetune("mpp", SEEDS[0], epochs, f"ft_mpp_s{SEEDS[0]}", name=ft))
+        steps.append(scratch(SEEDS[0], PRETRAIN_EPOCHS + epochs, base.removesuffix("_s0")))
+    return steps
 
 
 def gpu_track(py: str) -> list[Step]:

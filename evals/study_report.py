@@ -23,8 +23,7 @@ from study_results import (
     sweep_text,
 )
 from study_tables import (
-    FT_LONG_ARMS,
-    FT_LONG_LABEL,
+    FT_LONG,
     GPU_ARMS,
     GPU_FT,
     GPU_SCRATCH,
@@ -103,7 +102,7 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
               ("longer schedule, 2-px shifts", [SHIFT_ARMS[0]]),
               ("the paper's hybrid", [HYBRID_ARMS[0]]),
               ("the paper's hybrid, GPU budget", list(GPU_FT)),
-              (FT_LONG_LABEL, [FT_LONG_ARMS[0]]),
+              *((label, [ft]) for label, ft, _ in FT_LONG),
               (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM]))  # fmt: skip
     for label, steps in single:
         if scores := arm_scores(r, steps):
@@ -119,7 +118,7 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
              ("longer schedule, 2-px shifts", [SHIFT_ARMS[0]], [SHIFT_ARMS[1]]),
              ("the paper's hybrid", [HYBRID_ARMS[0]], [HYBRID_ARMS[1]]),
              ("the paper's hybrid, GPU budget", list(GPU_FT), list(GPU_SCRATCH)),
-             (FT_LONG_LABEL, [FT_LONG_ARMS[0]], [FT_LONG_ARMS[1]]),
+             *((label, [ft], [base]) for label, ft, base in FT_LONG),
              (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM], [GPU_ARMS[1]]))  # fmt: skip
     for label, ft, base in pairs:
         a, b = arm_scores(r, ft), arm_scores(r, base)
@@ -295,8 +294,8 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  ("from scratch, the paper's hybrid", HYBRID_ARMS[1]),
                  ("MPP, fine-tuned, the paper's hybrid, GPU budget", GPU_ARMS[0]),
                  ("from scratch, the paper's hybrid, GPU budget", GPU_ARMS[1]),
-                 (f"MPP, fine-tuned, {FT_LONG_LABEL}", FT_LONG_ARMS[0]),
-                 (f"from scratch, {FT_LONG_LABEL}", FT_LONG_ARMS[1]),
+                 *(row for label, ft, base in FT_LONG for row in
+                   ((f"MPP, fine-tuned, {label}", ft), (f"from scratch, {label}", base))),
                  (f"MPP, fine-tuned, {GPU_SPLIT_LABEL}", GPU_SPLIT_ARM)]  # fmt: skip
     figures = [
         curve_figure(r, root / results / "pretraining_curve.png", pretrainings, RANDOM_OF),

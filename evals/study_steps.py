@@ -54,8 +54,18 @@ READOUT = ["--layer", "auto"]
 # A longer fine-tune of the main pretraining (single seed): the 2-epoch fine-tune underfits
 # (its loss still falls; layer decay and drop path, which slow or drop blocks, score lower on
 # held-out), so does giving fine-tuning the epochs, at equal total compute, move MPP past
-# from scratch? 6 + 6 against from scratch 12, the lr the 2-epoch sweep chose.
-FT_LONG_EPOCHS = 6
+# from scratch? 6 + 6 against from scratch 12, the lr the 2-epoch sweep chose; then 6 + 12
+# against 18, since 6 + 6 gave MPP +2.68 and from scratch +0.20 over 6 + 2 (-2.59 -> -0.11).
+FT_LONG_EPOCHS = (6, 12)
+
+
+def ft_long_arms(epochs: int) -> tuple[str, str]:
+    """(MPP fine-tune, from scratch) step names of the longer fine-tune of `epochs` epochs; the
+    first length keeps the names it ran under."""
+    tag = "longft" if epochs == FT_LONG_EPOCHS[0] else f"longft{epochs}"
+    return f"ft_mpp_{tag}_s0", f"scratch_{tag}_s0"
+
+
 # The GPU track (issue 13, goals 1-2): the hybrid at 5x the main budget on a lent GPU
 # (benchmarks/device_study.sh): MPP 40 epochs + fine-tuning 10 against from scratch for the sum,
 # the same recipe and batches, eager (compiling costs a minute of a 10-minute lease). Single

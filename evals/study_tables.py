@@ -8,15 +8,16 @@ from pathlib import Path
 
 from study_figures import figure_lines
 from study_results import Results, pct, sweep_choice, sweep_text
-from study_steps import FT_LONG_EPOCHS, GPU_SPLIT, PRETRAIN_EPOCHS
+from study_steps import FT_LONG_EPOCHS, GPU_SPLIT, PRETRAIN_EPOCHS, ft_long_arms
 
 LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's two trainings (plan)
 HIRES_ARM = "ft_mpp_long_42px"  # its MPP backbone fine-tuned at the higher resolution (plan)
 P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid's two trainings (plan)
 SHIFT_ARMS = ("ft_mpp_long_shift_s0", "scratch_long_shift_s0")  # the longer schedule, 2-px shifts
 HYBRID_ARMS = ("ft_mpp_hybrid_s0", "scratch_hybrid_s0")  # the paper's hybrid, main budget
-FT_LONG_ARMS = ("ft_mpp_longft_s0", "scratch_longft_s0")  # the main pretraining, longer fine-tune
-FT_LONG_LABEL = f"longer fine-tune ({PRETRAIN_EPOCHS} + {FT_LONG_EPOCHS} epochs)"
+# the main pretraining, longer fine-tunes: (label, MPP fine-tune, from scratch) per length
+FT_LONG = tuple((f"longer fine-tune ({PRETRAIN_EPOCHS} + {e} epochs)", *ft_long_arms(e))
+                for e in FT_LONG_EPOCHS)  # fmt: skip
 # the hybrid at the GPU budget, by seed (plan: evals/study.py gpu_track), and seed 0 of each
 GPU_FT = tuple(f"ft_mpp_hybrid_gpu_s{s}" for s in (0, 1, 2))
 GPU_SCRATCH = tuple(f"scratch_hybrid_gpu_s{s}" for s in (0, 1, 2))
@@ -80,8 +81,9 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     lines.append(f"| {pre} + {ft} (seed 0), the same GPU run's epoch-{pre} snapshot fine-tuned "
                  f"{ft} epochs (against the same from scratch {total}) | "
                  f"{_pair(r, GPU_SPLIT_ARM, GPU_ARMS[1])} | {reused} |")  # fmt: skip
-    lines.append(f"| {PRETRAIN_EPOCHS} + {FT_LONG_EPOCHS} (seed 0), the main pretraining with a "
-                 f"longer fine-tune | {_pair(r, *FT_LONG_ARMS)} | {reused} |")  # fmt: skip
+    for e, (_, ft, scratch) in zip(FT_LONG_EPOCHS, FT_LONG, strict=True):
+        lines.append(f"| {PRETRAIN_EPOCHS} + {e} (seed 0), the main pretraining with a longer "
+                     f"fine-tune | {_pair(r, ft, scratch)} | {reused} |")  # fmt: skip
     hires = r.output(HIRES_ARM)
     held = "pending" if hires is None else pct(hires["selection_best_top1"])
     lines.append(f"| {long}, fine-tuned at {HIRES} px (6x6 tokens, ~2.4x the fine-tuning "
