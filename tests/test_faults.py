@@ -74,12 +74,13 @@ def test_training_survives_random_sigkills(tiny_shards, tmp_path, mlflow_db):
     """3 SIGKILLs (two at seeded random steps plus a random fraction of a step, one the instant a
     `.partial` checkpoint folder appears), then the same command: planned steps reached, `latest`
     always complete, the partial folder never trusted, MLflow metric steps exact. Kill points are
-    steps, not seconds, so a faster loader or machine cannot outrun them."""
+    steps, not seconds, so a faster loader or machine cannot outrun them. Checkpoints every 5
+    steps, logging every 2: a resume from an odd step still logs each even step once."""
     rng = random.Random(8)
     run_dir, db = tmp_path / "run", mlflow_db
     ckpt, log = run_dir / "checkpoints", tmp_path / "train.log"
     total = 24
-    args = overrides(tiny_shards, run_dir, db, f"train.steps={total}", "run.checkpoint_every=4")
+    args = overrides(tiny_shards, run_dir, db, f"train.steps={total}", "run.checkpoint_every=5")
     injected, report = 0, []
     for kind in ("random", "partial", "random"):
         offset = log.stat().st_size if log.exists() else 0

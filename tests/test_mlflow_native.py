@@ -209,22 +209,30 @@ def _py(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Completed
 
 @pytest.mark.slow
 def test_server_uris_give_the_local_results(tiny_shards, tmp_path):
-    """Pretrain against a real server, delete the run directory, then kNN by `runs:/` and
-    fine-tune by `models:/` from another folder: the same numbers as from the local export."""
+    """Pretrain against a real server (named by `tracking.uri`), delete the run directory, then
+    kNN by `runs:/` and fine-tune by `models:/` from another folder, the server named by
+    MLFLOW_TRACKING_URI: the same numbers as from the local export."""
     server = MlflowServer(tmp_path).start()
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
-    env = {"SSL_VIT_MLFLOW_CACHE": str(tmp_path / "cache"), "MLFLOW_TRACKING_URI": server.uri}
+    cache = {"SSL_VIT_MLFLOW_CACHE": str(tmp_path / "cache")}
+    env = {**cache, "MLFLOW_TRACKING_URI": server.uri}
     knn = [str(ROOT / "evals/knn.py"), "--data", str(tiny_shards), "--no-cache"]
     ft = [str(ROOT / "evals/finetune.py"), "--config", str(ROOT / "configs/fmnist_finetune.yaml"),
           f"data.root={tiny_shards}", *TINY, "model.img_size=24",
           "train.steps=6", "optim.lr=0.05"]  # fmt: skip
     try:
         pretrain = [str(ROOT / "pipelines/mpp_pretrain.py"), f"data.root={tiny_shards}", *TINY,
-                    "run.dir=run", "train.steps=4", "tracking.register_as=tiny"]  # fmt: skip
-        pre = _py(pretrain, a, env)
+                    "run.dir=run", "train.steps=4", "tracking.register_as=tiny",
+                    f"tracking.uri={server.uri}"]  # fmt: skip
+        pre = _py(pretrain, a, cache)
         assert not [n for n in NOISE if n in pre.stderr], pre.stderr  # quiet start-up
         rid = (a / "run" / "mlflow_run_id").read_text().strip()
+        client = MlflowClient(server.uri)
+        run = client.get_run(rid)
+        assert run.info.status == "FINISHED" and run.data.params["train.global_batch"] == "32"
+        assert [m.step for m in client.get_metric_history(rid, "train/loss")] == [2, 4]
+        assert "export" in {f.path for f in client.list_artifacts(rid)}
         _py([*knn, "--backbone", "run", "--out", "knn.json"], a, env)
         _py([*ft, "model.init_from=run", "run.dir=ft"], a, env)
         shutil.rmtree(a / "run")
@@ -232,7 +240,6 @@ def test_server_uris_give_the_local_results(tiny_shards, tmp_path):
         got = _py([*knn, "--backbone", f"runs:/{rid}/export", "--out", "knn.json"], b, env)
         _py([*ft, "model.init_from=models:/tiny/1", "run.dir=ft"], b, env)
         assert not [n for n in NOISE if n in got.stderr], got.stderr
-        client = MlflowClient(server.uri)
         version = client.get_model_version("tiny", "1")
         assert version.run_id == rid and float(version.tags["train/loss"]) > 0
         remote = json.loads((b / "knn.json").read_text())
