@@ -274,20 +274,23 @@ def test_finetune_lr_sweep_chooses_on_held_out_nested_in_mlflow(tiny_shards, tmp
         child = client.get_run(r["mlflow_run_id"])
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.data.params["optim.lr"] == str(r["value"])
-    # Resumable: a rerun trains nothing and chooses the same.
-    mtime = (sweep / "optim.lr=0.05" / "results.json").stat().st_mtime_ns
-    again = run_cli(cmd)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "finished before, kept" in again.stderr
-    assert (sweep / "optim.lr=0.05" / "results.json").stat().st_mtime_ns == mtime
-    assert json.loads((sweep / "results.json").read_text())["chosen"] == res["chosen"]
-    # A grown grid trains only the new value; the finished ones, same settings, are kept.
+    # Resumable: the rerun of a grown grid trains only the new value; the finished ones, same
+    # settings, are kept as they are and chosen from again.
+    mtimes = [
+        (sweep / d / "results.json").stat().st_mtime_ns
+        for d in ("optim.lr=0.0001", "optim.lr=0.05")
+    ]
     grown = [a if a != "optim.lr=0.0001,0.05" else "optim.lr=0.0001,0.05,0.01" for a in cmd]
     more = run_cli(grown)
     assert more.returncode == 0, more.stderr[-3000:]
-    assert (sweep / "optim.lr=0.05" / "results.json").stat().st_mtime_ns == mtime
+    assert more.stderr.count("finished before, kept") == 2
+    assert [
+        (sweep / d / "results.json").stat().st_mtime_ns
+        for d in ("optim.lr=0.0001", "optim.lr=0.05")
+    ] == mtimes
     res3 = json.loads((sweep / "results.json").read_text())
     assert [r["value"] for r in res3["runs"]] == [0.0001, 0.05, 0.01]
+    assert res3["runs"][:2] == runs  # the kept values' results, as the first sweep chose from
     tags = client.get_run(res["mlflow_run_id"]).data.tags  # the same parent run, continued
     assert tags["sweep.values"] == "[0.0001, 0.05, 0.01]"
     assert tags["chosen.optim.lr"] == str(res3["chosen"]["optim.lr"])
