@@ -1,6 +1,9 @@
 """MLP-Mixer beside ViT, end to end on real shards: MPP pretraining through the DeepSpeed
 engine, then every evaluator (kNN, linear probe, few-shot, fine-tuning) and the inspection,
-whose attention plots must say "not applicable" rather than fail."""
+whose attention plots must say "not applicable" rather than fail. Pretraining and fine-tuning
+are launches of their own; the frozen evaluators and the inspection run their `main` in this
+process (their command lines are launched in test_eval_features, test_inspect and
+test_bad_inputs)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from test_eval_features import _load_script
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +25,7 @@ MIXER = [
 
 
 def test_mixer_through_mpp_every_evaluator_and_inspect(
-    tiny_shards: Path, tmp_path: Path, mlflow_db: Path
+    tiny_shards: Path, tmp_path: Path, mlflow_db: Path, capsys: pytest.CaptureFixture
 ):
     db = f"sqlite:///{mlflow_db}"
     pre = tmp_path / "pre"
@@ -46,8 +50,7 @@ def test_mixer_through_mpp_every_evaluator_and_inspect(
     keys = {"knn": "knn_top1@k=5", "linear_probe": "probe_top1", "fewshot": "fewshot_5shot_mean"}
     for name, extra in evals.items():
         out = tmp_path / f"{name}.json"
-        done = run_cli([f"evals/{name}.py", *common, *extra, "--out", str(out)])
-        assert done.returncode == 0, (name, done.stderr[-2000:])
+        assert _load_script(name).main([*common, *extra, "--out", str(out)]) == 0, name
         res = json.loads(out.read_text())
         # No [class] token: --pool auto takes the mean of the tokens (the Mixer's own pooling).
         assert res["params"]["pool"] == "mean" and res["params"]["arch"] == "mixer_s16_224"
@@ -67,15 +70,15 @@ def test_mixer_through_mpp_every_evaluator_and_inspect(
     assert json.loads((ft / "export" / "backbone.json").read_text())["arch"] == "mixer_s16_224"
 
     insp = tmp_path / "inspect"
-    done = run_cli(
-        ["evals/inspect_vit.py", "--backbone", str(pre), "--data", str(tiny_shards),
-         "--out", str(insp), "--num-images", "16", "--no-mlflow"]
+    capsys.readouterr()
+    _load_script("inspect_vit").main(
+        ["--backbone", str(pre), "--data", str(tiny_shards), "--out", str(insp),
+         "--num-images", "16", "--no-mlflow"]
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((insp / "inspect.json").read_text())
     na = summary["not_applicable"]
     assert set(na) == {"attention_distance", "attention_rollout", "position_similarity"}
     assert all(v.startswith("not applicable") for v in na.values())
-    assert "attention_distance: not applicable" in done.stdout
+    assert "attention_distance: not applicable" in capsys.readouterr().out
     assert {"filters", "mpp"} <= set(summary["pngs"])  # what does apply is still drawn
     assert not (insp / "attention_distance.png").exists()
