@@ -28,18 +28,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The modules that take longest (each several real launches; seconds each took in a parallel
-# run on 2 cores), collected first: `make test` runs the suite on parallel workers one module per
-# worker at a time (pytest-xdist --dist loadfile), and a long module that starts last finishes last.
+# run on 2 cores beside a training run), collected first: `make test` runs the suite on parallel
+# workers one module per worker at a time (pytest-xdist --dist loadfile), and a long module that
+# starts last finishes last.
 LONGEST_FIRST = (
-    "test_zero",  # 274 s
-    "test_train_e2e",  # 273 s
-    "test_faults",  # 137 s
-    "test_mlflow_native",  # 97 s
-    "test_dynamic_vit",  # 75 s
-    "test_bad_inputs",  # 47 s
-    "test_mixer_e2e",  # 46 s
-    "test_compile",  # 45 s
-    "test_tracking",  # 42 s
+    "test_zero",  # 560 s
+    "test_train_e2e",  # 442 s
+    "test_faults",  # 356 s
+    "test_dynamic_vit",  # 289 s
+    "test_mlflow_native",  # 237 s
+    "test_bad_inputs",  # 130 s
+    "test_compile",  # 102 s
+    "test_tracking",  # 83 s
+    "test_mixer_e2e",  # 74 s
 )
 
 
