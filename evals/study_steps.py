@@ -56,6 +56,7 @@ READOUT = ["--layer", "auto"]
 # held-out), so does giving fine-tuning the epochs, at equal total compute, move MPP past
 # from scratch? 6 + 6 against from scratch 12, the lr the 2-epoch sweep chose; then 6 + 12
 # against 18, since 6 + 6 gave MPP +2.68 and from scratch +0.20 over 6 + 2 (-2.59 -> -0.11).
+# 6 + 12 gave both about +1.1 more (-0.06): past the 2-epoch fine-tune's shortfall, a tie.
 FT_LONG_EPOCHS = (6, 12)
 
 
