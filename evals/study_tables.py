@@ -81,7 +81,8 @@ def longer_schedule(r: Results, arms: dict[str, list[str]]) -> list[str]:
     lines.append(f"| {pre} + {ft} (seed 0), the same GPU run's epoch-{pre} snapshot fine-tuned "
                  f"{ft} epochs (against the same from scratch {total}) | "
                  f"{_pair(r, GPU_SPLIT_ARM, GPU_ARMS[1])} | {reused} |")  # fmt: skip
-    for e, (_, ft, scratch) in zip(FT_LONG_EPOCHS, FT_LONG, strict=True):
+    for e in FT_LONG_EPOCHS:
+        ft, scratch = ft_long_arms(e)
         lines.append(f"| {PRETRAIN_EPOCHS} + {e} (seed 0), the main pretraining with a longer "
                      f"fine-tune | {_pair(r, ft, scratch)} | {reused} |")  # fmt: skip
     hires = r.output(HIRES_ARM)
