@@ -31,6 +31,10 @@ from study_steps import (  # noqa: F401  (Step, STUDY, ...: what tests and tools
     AUGMENTATIONS,
     BUDGET,
     EAGER,
+    FEW_LABEL_FT,
+    FEW_LABEL_FT_EPOCHS,
+    FEW_LABEL_SCRATCH,
+    FEW_LABEL_SCRATCH_EPOCHS,
     FINETUNE_EPOCHS,
     FINETUNE_RECIPES,
     FT_LONG_EPOCHS,
@@ -69,6 +73,7 @@ from study_steps import (  # noqa: F401  (Step, STUDY, ...: what tests and tools
     Step,
     cascade,
     evals,
+    few_label_arms,
     finetune,
     finetune_hires,
     finetune_recipe,
@@ -195,6 +200,7 @@ def plan() -> list[Step]:
         ),  # fmt: skip
         *evals("random_readout", [*RANDOM, *READOUT]),
         *longer_finetunes(),
+        *label_scarce(),
         *gpu_track(py),
     ]
 
@@ -206,6 +212,19 @@ def longer_finetunes() -> list[Step]:
         ft, base = ft_long_arms(epochs)
         steps.append(finetune("mpp", SEEDS[0], epochs, f"ft_mpp_s{SEEDS[0]}", name=ft))
         steps.append(scratch(SEEDS[0], PRETRAIN_EPOCHS + epochs, base.removesuffix("_s0")))
+    return steps
+
+
+def label_scarce() -> list[Step]:
+    """The main pretraining fine-tuned on 10% of the labels against from scratch on them for
+    the same compute, seed by seed; seed 0 sweeps the paper's lr grid on held-out."""
+    steps = []
+    for seed in SEEDS:
+        ft, base = few_label_arms(seed)
+        lr_from = None if seed == SEEDS[0] else few_label_arms(SEEDS[0])[0]
+        steps.append(finetune("mpp", seed, FEW_LABEL_FT_EPOCHS, lr_from, *FEW_LABEL_FT, name=ft))
+        steps.append(scratch(seed, FEW_LABEL_SCRATCH_EPOCHS, base.rsplit("_s", 1)[0],
+                             *FEW_LABEL_SCRATCH))  # fmt: skip
     return steps
 
 

@@ -23,6 +23,9 @@ from study_results import (
     sweep_text,
 )
 from study_tables import (
+    FEW_FT,
+    FEW_LABEL,
+    FEW_SCRATCH,
     FT_LONG,
     GPU_ARMS,
     GPU_FT,
@@ -36,6 +39,7 @@ from study_tables import (
     SHIFT_ARMS,
     dynamic,
     inspect_figures,
+    label_scarce,
     longer_schedule,
     recipes,
     reused_lr,
@@ -103,7 +107,7 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
               ("the paper's hybrid", [HYBRID_ARMS[0]]),
               ("the paper's hybrid, GPU budget", list(GPU_FT)),
               *((label, [ft]) for label, ft, _ in FT_LONG),
-              (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM]))  # fmt: skip
+              (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM]), (FEW_LABEL, list(FEW_FT)))  # fmt: skip
     for label, steps in single:
         if scores := arm_scores(r, steps):
             m, n = 100 * mean_std(scores)[0], len(scores)
@@ -119,7 +123,8 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
              ("the paper's hybrid", [HYBRID_ARMS[0]], [HYBRID_ARMS[1]]),
              ("the paper's hybrid, GPU budget", list(GPU_FT), list(GPU_SCRATCH)),
              *((label, [ft], [base]) for label, ft, base in FT_LONG),
-             (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM], [GPU_ARMS[1]]))  # fmt: skip
+             (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM], [GPU_ARMS[1]]),
+             (FEW_LABEL, list(FEW_FT), list(FEW_SCRATCH)))  # fmt: skip
     for label, ft, base in pairs:
         a, b = arm_scores(r, ft), arm_scores(r, base)
         if not a or not b:
@@ -259,6 +264,7 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
         arm_row(r, f"the paper's hybrid on one GPU: from scratch, {GPU_SCRATCH_EPOCHS} epochs",
                 list(GPU_SCRATCH), "1e-3 (the supervised preset's; not swept)"),
     ]  # fmt: skip
+    lines += label_scarce(r)
     lines += longer_schedule(r, arms)
     lines += [
         "",
@@ -296,7 +302,9 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  ("from scratch, the paper's hybrid, GPU budget", GPU_ARMS[1]),
                  *(row for label, ft, base in FT_LONG for row in
                    ((f"MPP, fine-tuned, {label}", ft), (f"from scratch, {label}", base))),
-                 (f"MPP, fine-tuned, {GPU_SPLIT_LABEL}", GPU_SPLIT_ARM)]  # fmt: skip
+                 (f"MPP, fine-tuned, {GPU_SPLIT_LABEL}", GPU_SPLIT_ARM),
+                 (f"MPP, fine-tuned, {FEW_LABEL}", FEW_FT[0]),
+                 (f"from scratch, {FEW_LABEL}", FEW_SCRATCH[0])]  # fmt: skip
     figures = [
         curve_figure(r, root / results / "pretraining_curve.png", pretrainings, RANDOM_OF),
         loss_figure(r, root / results / "finetune_loss.png",

@@ -67,6 +67,26 @@ def ft_long_arms(epochs: int) -> tuple[str, str]:
     return f"ft_mpp_{tag}_s0", f"scratch_{tag}_s0"
 
 
+# Label-scarce fine-tuning (issue 13 goal 2), the paper's own setting: MPP pretrains on more
+# images than fine-tuning has labels for (JFT, then ImageNet; sec. 4.6). The main pretraining
+# (every training image, no labels) fine-tuned on the labels of a hashed 10% of them
+# (data.train_fraction: 5,861 images) against from scratch on the same 10% for the same total
+# compute, 3 seeds. 20 epochs of the 10% are 900 steps at batch 128, the main 2-epoch
+# fine-tune's step count; from scratch also gets the pretraining's images: 6 / 0.1 + 20 = 80
+# epochs. Each run scores held-out 10 times (run.eval_every) and keeps the best.
+FEW_LABELS = 0.1
+FEW_LABEL_FT_EPOCHS = 20
+FEW_LABEL_SCRATCH_EPOCHS = round(PRETRAIN_EPOCHS / FEW_LABELS) + FEW_LABEL_FT_EPOCHS
+FEW_LABEL_FT = [f"data.train_fraction={FEW_LABELS}", "run.eval_every=90"]
+FEW_LABEL_SCRATCH = [f"data.train_fraction={FEW_LABELS}", "run.eval_every=176"]
+
+
+def few_label_arms(seed: int) -> tuple[str, str]:
+    """(MPP fine-tune, from scratch) step names of the label-scarce comparison's `seed`."""
+    tag = f"labels{round(100 * FEW_LABELS)}"
+    return f"ft_mpp_{tag}_s{seed}", f"scratch_{tag}_s{seed}"
+
+
 # The GPU track (issue 13, goals 1-2): the hybrid at 5x the main budget on a lent GPU
 # (benchmarks/device_study.sh): MPP 40 epochs + fine-tuning 10 against from scratch for the sum,
 # the same recipe and batches, eager (compiling costs a minute of a 10-minute lease). Single

@@ -66,6 +66,9 @@ class DataConfig:
     # Hashed share of `split` kept out of training to choose on (ssl_vit.data.holdout).
     # None: 0.02 when fine-tuning (the paper's held-out 2%, appendix B.1.1), else 0.
     holdout_fraction: float | None = None
+    # Hashed share of the rest that training reads (1.0: all): 0.1 fine-tunes on 10% of the
+    # labels, the label-scarce regime where pretraining on every image should pay.
+    train_fraction: float = 1.0
     # Decode the split once into RAM and batch from there (ssl_vit.data.memory): true, false,
     # or auto (when its images share one size and decode to at most 2 GiB per rank).
     in_memory: Any = "auto"
@@ -359,6 +362,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not 0 <= holdout_fraction(cfg) < 0.5:
         raise ConfigError(
             f"data.holdout_fraction={cfg.data.holdout_fraction}: must be in [0, 0.5) (e.g. 0.02)"
+        )
+    if not 0 < cfg.data.train_fraction <= 1:
+        raise ConfigError(
+            f"data.train_fraction={cfg.data.train_fraction}: must be in (0, 1] (e.g. 0.1)"
         )
     if cfg.run.eval_split is not None and cfg.run.eval_split in ("test", cfg.run.report_split):
         raise ConfigError(

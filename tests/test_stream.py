@@ -11,7 +11,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from ssl_vit.data.holdout import held_out_indices
+from ssl_vit.data.holdout import excluded_indices, held_out_indices
 from ssl_vit.data.manifest import Manifest, ManifestError, ShardInfo, SplitInfo, write_manifest
 from ssl_vit.data.stream import make_eval_loader, make_train_loader
 
@@ -248,3 +248,23 @@ def test_held_out_samples_never_train_and_are_the_holdout_eval(tmp_path: Path, s
     # Without the holdout nothing is excluded: the same samples do train.
     plain = torch.cat(_epoch(_train(root, global_batch=16, rank=0, world_size=1))[1]).tolist()
     assert held & set(plain)
+
+
+def test_train_fraction_trains_a_nested_hashed_subset(tmp_path: Path) -> None:
+    """data.train_fraction: both loaders train on the same hashed share of the not held-out
+    samples (in RAM each once an epoch; streamed, shards of unequal use re-read, module doc);
+    a smaller share lies inside a larger one."""
+    root = make_set(tmp_path, [100, 100, 100])
+    unused = {f: set(excluded_indices(300, 0.1, f).tolist()) for f in (0.3, 0.6)}
+    held = set(held_out_indices(300, 0.1).tolist())
+    assert held <= unused[0.6] <= unused[0.3]  # nested, the held-out never used
+    assert 300 * 0.9 * 0.3 * 0.7 < 300 - len(unused[0.3]) < 300 * 0.9 * 0.3 * 1.3
+    for in_memory in (False, True):
+        loader = _train(root, global_batch=4, holdout_fraction=0.1, train_fraction=0.3,
+                        augment=False, in_memory=in_memory)  # fmt: skip
+        labels = torch.cat(_epoch(loader)[1]).tolist()
+        assert len(labels) == 4 * ((300 - len(unused[0.3])) // 4) and not set(labels) & unused[0.3]
+        distinct = len(set(labels)) / len(labels)
+        assert distinct == 1 if in_memory else distinct > 0.7
+    with pytest.raises(ValueError, match="raise data.train_fraction=0.01"):
+        _train(root, global_batch=16, train_fraction=0.01)

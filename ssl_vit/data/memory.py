@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 
 from .augment import crop_params, mix_seed, shift_params
 from .datasets import EvalStream
-from .holdout import held_out_indices
+from .holdout import excluded_indices
 from .manifest import Manifest
 from .shards import ShardRef, SkipCounter
 from .workers import IN_PROCESS_SAMPLES
@@ -250,8 +250,10 @@ def load_training_samples(
     holdout_fraction: float,
     counter: SkipCounter,
     ctx: mp.context.BaseContext,
+    train_fraction: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(images (N, C, H, W) uint8, labels (N,)) of the split's readable, not held-out samples,
+    """(images (N, C, H, W) uint8, labels (N,)) of the split's readable samples that training
+    uses (not held out, inside `train_fraction`: ssl_vit.data.holdout),
     decoded by `num_workers` workers started from `ctx`; make_train_loader(in_memory=True)
     batches them."""
     resolve_in_memory(True, manifest, split)  # one size of image, or a one-line error
@@ -260,7 +262,8 @@ def load_training_samples(
     workers = num_workers if total > IN_PROCESS_SAMPLES else 0  # ssl_vit.data.workers
     images, labels, index = _decode_split(manifest, split, shards, workers, counter, ctx)
     # The held-out hash ranges over the shards present, as the streaming loaders number them.
-    keep = ~torch.isin(index, torch.from_numpy(held_out_indices(total, holdout_fraction)))
+    unused = excluded_indices(total, holdout_fraction, train_fraction)
+    keep = ~torch.isin(index, torch.from_numpy(unused))
     images, labels = images[keep].contiguous(), labels[keep].contiguous()
     secs = time.perf_counter() - start
     log.info("%s: %d %s images decoded into RAM (%.0f MB) in %.1f s, %.0f images/s; %d skipped",

@@ -48,6 +48,8 @@ Held-out samples. `holdout_fraction=f` (ssl_vit.data.holdout) removes a fixed, h
 f of the split's samples (by manifest index) from the train loader: no stream ever yields them,
 and the epoch length counts only the rest. `make_eval_loader(..., holdout_fraction=f)` yields
 exactly those samples (and nothing else), split over ranks like a split of its own.
+`train_fraction=t` < 1 also removes all but a hashed share t of the rest (label-scarce
+fine-tuning, ssl_vit.data.holdout).
 
 Eval loader: each rank gets the contiguous manifest range [N*rank//ws, N*(rank+1)//ws), in
 order, in batches of `batch_size` (the last, or one holding corrupt samples, may be smaller; a
@@ -64,7 +66,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .datasets import EvalStream, TrainStream
-from .holdout import held_out_indices
+from .holdout import excluded_indices, held_out_indices
 from .manifest import Manifest, load_manifest
 from .memory import MemoryTrainLoader, load_training_samples
 from .shards import SkipCounter, select_shards
@@ -190,6 +192,7 @@ def make_train_loader(
     translate: int = 0,
     missing: Literal["error", "skip"] = "error",
     holdout_fraction: float = 0.0,
+    train_fraction: float = 1.0,
     shuffle_buffer: int = 2000,
     shuffle_initial: int = 500,
     pin_memory: bool | None = None,
@@ -203,7 +206,8 @@ def make_train_loader(
     int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
     paper's random resized crop (`scale`) and flip (`hflip`), and a random shift of up to
     `translate` pixels per axis (zero-filled; 0: none); without it, a centre resize.
-    `holdout_fraction` keeps that hashed share of the split out of training (module doc).
+    `holdout_fraction` keeps that hashed share of the split out of training (module doc);
+    `train_fraction` < 1 trains on that hashed share of the rest (ssl_vit.data.holdout).
     Resume with the same seed, world_size and num_workers for an exact continuation.
     `in_memory`: the split decoded once by `num_workers` workers and batched from RAM
     (ssl_vit.data.memory, same contract), held and augmented on `device` when given (a GPU)."""
@@ -216,18 +220,19 @@ def make_train_loader(
     )
     if in_memory:
         images, labels = load_training_samples(
-            manifest, split, shards, num_workers, holdout_fraction, counter, ctx
+            manifest, split, shards, num_workers, holdout_fraction, counter, ctx, train_fraction
         )
         num_samples = len(images)
     else:
         total = sum(r.num_samples for r in shards)
-        exclude = frozenset(held_out_indices(total, holdout_fraction).tolist())
+        exclude = frozenset(excluded_indices(total, holdout_fraction, train_fraction).tolist())
         num_samples = total - len(exclude)
     steps = num_samples // global_batch
     if steps == 0:
         raise ValueError(
-            f"{manifest.root}: split {split!r} has {num_samples} samples, fewer than one global "
-            f"batch of {global_batch}; lower the batch size"
+            f"{manifest.root}: split {split!r} has {num_samples} samples to train on, fewer than "
+            f"one global batch of {global_batch}; lower the batch size"
+            + (f" or raise data.train_fraction={train_fraction}" if train_fraction < 1 else "")
         )
     if in_memory:
         loader: TrainLoader | MemoryTrainLoader = MemoryTrainLoader(

@@ -31,22 +31,23 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
             f"model.in_chans={in_chans} but the shards in {cfg.data.root} have "
             f"{manifest.channels} channel(s); drop model.in_chans to follow the data"
         )
-    num_train = split.num_samples
-    if holdout_fraction(cfg) > 0:  # imported late: numpy
-        from ssl_vit.data.holdout import held_out_indices
+    num_train, fraction = split.num_samples, cfg.data.train_fraction
+    if holdout_fraction(cfg) > 0 or fraction < 1:  # imported late: numpy
+        from ssl_vit.data.holdout import excluded_indices, held_out_indices
 
         held = len(held_out_indices(split.num_samples, holdout_fraction(cfg)))
-        if held == 0 and cfg.objective.kind != "mpp":
+        if held == 0 and holdout_fraction(cfg) > 0 and cfg.objective.kind != "mpp":
             raise ConfigError(
                 f"data.holdout_fraction={holdout_fraction(cfg)} holds out no sample of the "
                 f"{split.num_samples} in split {cfg.data.split!r}; raise it"
             )
-        num_train -= held
+        num_train -= len(excluded_indices(split.num_samples, holdout_fraction(cfg), fraction))
     steps_per_epoch = num_train // cfg.train.global_batch
     if steps_per_epoch == 0:
         raise ConfigError(
             f"train.global_batch={cfg.train.global_batch} exceeds the {num_train} training "
             f"samples of split {cfg.data.split!r}; lower the batch"
+            + (f" or raise data.train_fraction={fraction}" if fraction < 1 else "")
         )
     check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)

@@ -176,6 +176,7 @@ def _setup(cfg: Config, header: str) -> _Setup:
         seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
         hflip=cfg.data.hflip, translate=cfg.data.translate, missing=cfg.data.missing_shards,
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
+        train_fraction=cfg.data.train_fraction,
         in_memory=in_ram, multiprocessing_context=IN_TRAINING_START,
         device=device if device.type == "cuda" else None,  # batches made on the GPU
     )  # fmt: skip
