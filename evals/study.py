@@ -31,10 +31,7 @@ from study_steps import (  # noqa: F401  (Step, STUDY, ...: what tests and tools
     AUGMENTATIONS,
     BUDGET,
     EAGER,
-    FEW_LABEL_FT,
-    FEW_LABEL_FT_EPOCHS,
-    FEW_LABEL_SCRATCH,
-    FEW_LABEL_SCRATCH_EPOCHS,
+    FEW_LABELS,
     FINETUNE_EPOCHS,
     FINETUNE_RECIPES,
     FT_LONG_EPOCHS,
@@ -74,6 +71,7 @@ from study_steps import (  # noqa: F401  (Step, STUDY, ...: what tests and tools
     cascade,
     evals,
     few_label_arms,
+    few_label_budget,
     finetune,
     finetune_hires,
     finetune_recipe,
@@ -216,15 +214,16 @@ def longer_finetunes() -> list[Step]:
 
 
 def label_scarce() -> list[Step]:
-    """The main pretraining fine-tuned on 10% of the labels against from scratch on them for
-    the same compute, seed by seed; seed 0 sweeps the paper's lr grid on held-out."""
+    """The main pretraining fine-tuned on a share of the labels against from scratch on them
+    for the same compute, seed by seed; seed 0 sweeps the paper's lr grid on held-out."""
     steps = []
-    for seed in SEEDS:
-        ft, base = few_label_arms(seed)
-        lr_from = None if seed == SEEDS[0] else few_label_arms(SEEDS[0])[0]
-        steps.append(finetune("mpp", seed, FEW_LABEL_FT_EPOCHS, lr_from, *FEW_LABEL_FT, name=ft))
-        steps.append(scratch(seed, FEW_LABEL_SCRATCH_EPOCHS, base.rsplit("_s", 1)[0],
-                             *FEW_LABEL_SCRATCH))  # fmt: skip
+    for fraction in FEW_LABELS:
+        ft_epochs, scratch_epochs, ft_args, scratch_args = few_label_budget(fraction)
+        for seed in SEEDS:
+            ft, base = few_label_arms(fraction, seed)
+            lr_from = None if seed == SEEDS[0] else few_label_arms(fraction, SEEDS[0])[0]
+            steps.append(finetune("mpp", seed, ft_epochs, lr_from, *ft_args, name=ft))
+            steps.append(scratch(seed, scratch_epochs, base.rsplit("_s", 1)[0], *scratch_args))
     return steps
 
 

@@ -113,6 +113,37 @@ def loss_figure(r, out: Path, runs: list[tuple[str, str]]) -> Path | None:
                      "Fine-tuning (seed 0, chosen lr) and from scratch", log_y=True)  # fmt: skip
 
 
+def label_figure(r, out: Path, shares: list[tuple[float, list[str], list[str]]]) -> Path | None:
+    """Fine-tuned test top-1 against the share of labels, MPP and from scratch at equal
+    compute: (share, MPP fine-tune steps, from-scratch steps) per point, mean and std of seeds."""
+    from study_results import arm_scores, mean_std
+
+    lines = {"MPP, fine-tuned": [], "from scratch": []}
+    for share, *arms in shares:
+        for pts, steps in zip(lines.values(), arms, strict=True):
+            if scores := arm_scores(r, steps):
+                m, sd = mean_std(scores)
+                pts.append((100 * share, 100 * m, 100 * sd))
+    if not all(len(pts) > 1 for pts in lines.values()):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for (label, pts), style in zip(lines.items(), ("-", "--"), strict=True):
+        xs, ys, sds = zip(*pts, strict=True)
+        ax.errorbar(xs, ys, yerr=sds, marker="o", capsize=3, linestyle=style, label=label)
+    ax.set(
+        xscale="log",
+        xlabel="labelled share of the training images (%, log scale)",
+        ylabel="test top-1 (%)",
+        title="MPP vs from scratch against labels (equal compute)",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    out = _save(fig, out)
+    plt.close(fig)
+    return out
+
+
 def figure_lines(path: Path | None, caption: str, root: Path) -> list[str]:
     """Markdown for a figure (nothing when it was not drawn)."""
     if path is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from study_figures import curve_figure, figure_lines, loss_figure
+from study_figures import curve_figure, figure_lines, label_figure, loss_figure
 from study_reading import KNN, PROBE, reading
 from study_results import (
     SHOTS,
@@ -22,10 +22,9 @@ from study_results import (
     readout_label,
     sweep_text,
 )
+from study_steps import FEW_LABELS
 from study_tables import (
-    FEW_FT,
-    FEW_LABEL,
-    FEW_SCRATCH,
+    FEW,
     FT_LONG,
     GPU_ARMS,
     GPU_FT,
@@ -107,7 +106,7 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
               ("the paper's hybrid", [HYBRID_ARMS[0]]),
               ("the paper's hybrid, GPU budget", list(GPU_FT)),
               *((label, [ft]) for label, ft, _ in FT_LONG),
-              (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM]), (FEW_LABEL, list(FEW_FT)))  # fmt: skip
+              (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM]))  # fmt: skip
     for label, steps in single:
         if scores := arm_scores(r, steps):
             m, n = 100 * mean_std(scores)[0], len(scores)
@@ -123,8 +122,7 @@ def _goals(r: Results, arms: dict[str, list[str]], pretrainings: list) -> list[s
              ("the paper's hybrid", [HYBRID_ARMS[0]], [HYBRID_ARMS[1]]),
              ("the paper's hybrid, GPU budget", list(GPU_FT), list(GPU_SCRATCH)),
              *((label, [ft], [base]) for label, ft, base in FT_LONG),
-             (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM], [GPU_ARMS[1]]),
-             (FEW_LABEL, list(FEW_FT), list(FEW_SCRATCH)))  # fmt: skip
+             (GPU_SPLIT_LABEL, [GPU_SPLIT_ARM], [GPU_ARMS[1]]), *FEW)  # fmt: skip
     for label, ft, base in pairs:
         a, b = arm_scores(r, ft), arm_scores(r, base)
         if not a or not b:
@@ -264,7 +262,13 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
         arm_row(r, f"the paper's hybrid on one GPU: from scratch, {GPU_SCRATCH_EPOCHS} epochs",
                 list(GPU_SCRATCH), "1e-3 (the supervised preset's; not swept)"),
     ]  # fmt: skip
-    lines += label_scarce(r)
+    lines += label_scarce(r, (arms["mpp"], arms["scratch"]))
+    shares = [
+        (1.0, arms["mpp"], arms["scratch"]),
+        *((f, ft, base) for f, (_, ft, base) in zip(FEW_LABELS, FEW, strict=True)),
+    ]
+    label_fig = label_figure(r, root / results / "labels.png", shares)
+    lines += figure_lines(label_fig, "MPP vs from scratch against the share of labels", root)
     lines += longer_schedule(r, arms)
     lines += [
         "",
@@ -302,18 +306,17 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  ("from scratch, the paper's hybrid, GPU budget", GPU_ARMS[1]),
                  *(row for label, ft, base in FT_LONG for row in
                    ((f"MPP, fine-tuned, {label}", ft), (f"from scratch, {label}", base))),
-                 (f"MPP, fine-tuned, {GPU_SPLIT_LABEL}", GPU_SPLIT_ARM),
-                 (f"MPP, fine-tuned, {FEW_LABEL}", FEW_FT[0]),
-                 (f"from scratch, {FEW_LABEL}", FEW_SCRATCH[0])]  # fmt: skip
+                 (f"MPP, fine-tuned, {GPU_SPLIT_LABEL}", GPU_SPLIT_ARM)]  # fmt: skip
     figures = [
+        label_fig,
         curve_figure(r, root / results / "pretraining_curve.png", pretrainings, RANDOM_OF),
         loss_figure(r, root / results / "finetune_loss.png",
                     [("MPP, fine-tuned", arms["mpp"][0]),
                      ("supervised, fine-tuned", arms["supervised"][0]),
                      ("from scratch", arms["scratch"][0]), *trainings]),
     ]  # fmt: skip
-    lines += figure_lines(figures[0], "Frozen MPP features against pretraining epochs", root)
-    lines += figure_lines(figures[1], "Training loss of fine-tuning and from scratch", root)
+    lines += figure_lines(figures[1], "Frozen MPP features against pretraining epochs", root)
+    lines += figure_lines(figures[2], "Training loss of fine-tuning and from scratch", root)
     ablations = [("MPP 15% corrupted (BERT's rate)", "mpp15_e6"),
                  ("target: 4x4 downsized patch, 3-bit", "mpp_downsized_e6"),
                  ("target: L2 on pixels", "mpp_pixels_e6"),
@@ -334,7 +337,12 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
     lines += dynamic(r, root, results)
     lines += inspect_figures(root, results)
     lines += _goals(r, arms, pretrainings)
-    lines += reading(r, arms, pretrainings, trainings, pretrainings[:2])
+    few = [
+        (f"{method}, {label}", steps[0])
+        for label, *pair in FEW
+        for method, steps in zip(("MPP, fine-tuned", "from scratch"), pair, strict=True)
+    ]
+    lines += reading(r, arms, pretrainings, [*trainings, *few], pretrainings[:2])
     lines += ["", "## Reference points (Fashion-MNIST README)", "", "| model | test accuracy |",
               "|---|---|", *(f"| {name} | {acc} |" for name, acc in REFERENCES), "",
               "The paper's MPP result (ImageNet, ViT-B/16; ViT paper sec. 4.6): 79.9% top-1 "

@@ -5,6 +5,7 @@ from scratch, frozen evaluations, recipes, cascade, inspection)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,21 +70,33 @@ def ft_long_arms(epochs: int) -> tuple[str, str]:
 
 # Label-scarce fine-tuning (issue 13 goal 2), the paper's own setting: MPP pretrains on more
 # images than fine-tuning has labels for (JFT, then ImageNet; sec. 4.6). The main pretraining
-# (every training image, no labels) fine-tuned on the labels of a hashed 10% of them
-# (data.train_fraction: 5,861 images) against from scratch on the same 10% for the same total
-# compute, 3 seeds. 20 epochs of the 10% are 900 steps at batch 128, the main 2-epoch
-# fine-tune's step count; from scratch also gets the pretraining's images: 6 / 0.1 + 20 = 80
-# epochs. Each run scores held-out 10 times (run.eval_every) and keeps the best.
-FEW_LABELS = 0.1
-FEW_LABEL_FT_EPOCHS = 20
-FEW_LABEL_SCRATCH_EPOCHS = round(PRETRAIN_EPOCHS / FEW_LABELS) + FEW_LABEL_FT_EPOCHS
-FEW_LABEL_FT = [f"data.train_fraction={FEW_LABELS}", "run.eval_every=90"]
-FEW_LABEL_SCRATCH = [f"data.train_fraction={FEW_LABELS}", "run.eval_every=176"]
+# (every training image, no labels) fine-tuned on the labels of a hashed share of them
+# (data.train_fraction) against from scratch on the same share for the same total compute.
+# Fine-tuning takes FEW_LABEL_FT_STEPS steps, the main 2-epoch fine-tune's count (10%: 5,861
+# images, 20 epochs); from scratch also gets the pretraining's images (10%: 6 / 0.1 + 20 = 80
+# epochs). Each run scores held-out 10 times (run.eval_every) and keeps the best.
+FEW_LABELS = (0.1, 0.01)
+FEW_LABEL_FT_STEPS = 900
+FMNIST_TRAIN = 60_000  # images in Fashion-MNIST's training split (the hash ranges over them)
+FT_BATCH, SCRATCH_BATCH = 128, 256  # the fine-tuning and supervised presets' global batches
 
 
-def few_label_arms(seed: int) -> tuple[str, str]:
-    """(MPP fine-tune, from scratch) step names of the label-scarce comparison's `seed`."""
-    tag = f"labels{round(100 * FEW_LABELS)}"
+def few_label_budget(fraction: float) -> tuple[int, int, list[str], list[str]]:
+    """(fine-tuning epochs, from-scratch epochs, their overrides) on `fraction` of the labels."""
+    from ssl_vit.data.holdout import excluded_indices
+
+    n = FMNIST_TRAIN - len(excluded_indices(FMNIST_TRAIN, HOLDOUT, fraction))
+    ft_epochs = math.ceil(FEW_LABEL_FT_STEPS / (n // FT_BATCH))
+    scratch_epochs = round(PRETRAIN_EPOCHS / fraction) + ft_epochs
+    share = f"data.train_fraction={fraction}"
+    return (ft_epochs, scratch_epochs,
+            [share, f"run.eval_every={ft_epochs * (n // FT_BATCH) // 10}"],
+            [share, f"run.eval_every={scratch_epochs * (n // SCRATCH_BATCH) // 10}"])  # fmt: skip
+
+
+def few_label_arms(fraction: float, seed: int) -> tuple[str, str]:
+    """(MPP fine-tune, from scratch) step names on `fraction` of the labels, `seed`."""
+    tag = f"labels{100 * fraction:g}"
     return f"ft_mpp_{tag}_s{seed}", f"scratch_{tag}_s{seed}"
 
 

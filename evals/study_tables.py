@@ -7,16 +7,15 @@ import statistics
 from pathlib import Path
 
 from study_figures import figure_lines
-from study_results import Results, arm_row, arm_scores, mean_std, pct, sweep_choice, sweep_text
+from study_results import Results, arm_scores, mean_std, pct, sweep_choice, sweep_text
 from study_steps import (
-    FEW_LABEL_FT_EPOCHS,
-    FEW_LABEL_SCRATCH_EPOCHS,
     FEW_LABELS,
     FT_LONG_EPOCHS,
     GPU_SPLIT,
     PRETRAIN_EPOCHS,
     SEEDS,
     few_label_arms,
+    few_label_budget,
     ft_long_arms,
 )
 
@@ -34,34 +33,47 @@ GPU_SCRATCH = tuple(f"scratch_hybrid_gpu_s{s}" for s in (0, 1, 2))
 GPU_ARMS = (GPU_FT[0], GPU_SCRATCH[0])
 GPU_SPLIT_ARM = f"ft_mpp_hybrid_gpu_e{GPU_SPLIT[0]}_s0"  # a snapshot fine-tuned longer (plan)
 GPU_SPLIT_LABEL = f"the paper's hybrid, GPU budget split {GPU_SPLIT[0]} + {GPU_SPLIT[1]}"
-# the main pretraining fine-tuned on a tenth of the labels, and from scratch on them, by seed
-FEW_FT, FEW_SCRATCH = (tuple(few_label_arms(s)[i] for s in SEEDS) for i in (0, 1))
-FEW_LABEL = f"{FEW_LABELS:.0%} of the labels"
+# the main pretraining fine-tuned on a share of the labels, and from scratch on it: by seed
+FEW = tuple((f"{100 * f:g}% of the labels", *([few_label_arms(f, s)[i] for s in SEEDS]
+                                              for i in (0, 1))) for f in FEW_LABELS)  # fmt: skip
 
 
-def label_scarce(r: Results) -> list[str]:
-    """Goal 2 in the paper's setting: pretraining on more images than fine-tuning has labels."""
-    lines = ["", f"## MPP vs from scratch with {FEW_LABEL} (equal total compute)", "",
+def label_scarce(r: Results, full: tuple[list[str], list[str]]) -> list[str]:
+    """Goal 2 in the paper's setting, pretraining on more images than fine-tuning has labels
+    for: each share against all the labels (`full`: the main comparison's two arms)."""
+    lines = ["", "## MPP vs from scratch with fewer labels (equal total compute)", "",
              f"The main MPP pretraining ({PRETRAIN_EPOCHS} epochs of every training image, no "
-             f"labels) fine-tuned {FEW_LABEL_FT_EPOCHS} epochs on the labels of a hashed "
-             f"{FEW_LABELS:.0%} of the training images (`data.train_fraction={FEW_LABELS}`), "
-             f"against from scratch on the same images for the same compute "
-             f"({FEW_LABEL_SCRATCH_EPOCHS} epochs of them). As in the paper, pretraining sees "
-             "more images than fine-tuning has labels for (JFT, then ImageNet; sec. 4.6). The "
-             "held-out 2% is the main comparison's; each run keeps the best of 10 held-out "
-             "evaluations.", "",
-             "| method | fine-tuned test top-1, mean ± std | per seed | lr (chosen on held-out) |",
-             "|---|---|---|---|",
-             arm_row(r, f"MPP, fine-tuned on {FEW_LABEL}", list(FEW_FT),
-                     sweep_text(r, FEW_FT[0])),
-             arm_row(r, f"from scratch on {FEW_LABEL}", list(FEW_SCRATCH),
-                     "1e-3 (the supervised preset's; not swept)")]  # fmt: skip
-    a, b = arm_scores(r, list(FEW_FT)), arm_scores(r, list(FEW_SCRATCH))
-    if a and b:
-        (m, sm), (s, ss) = mean_std(a), mean_std(b)
-        lines += ["", f"MPP minus from scratch: {100 * (m - s):+.2f} points (2 std = "
-                  f"{200 * max(sm, ss):.2f}; seeds: {min(len(a), len(b))})."]  # fmt: skip
+             "labels) fine-tuned on the labels of a hashed share of the training images "
+             "(`data.train_fraction`), against from scratch on the same images for the same "
+             "compute (they also get the pretraining's epochs, in epochs of the share). As in "
+             "the paper, pretraining sees more images than fine-tuning has labels for (JFT, "
+             "then ImageNet; sec. 4.6). Fine-tuning runs about as many steps as the main "
+             "comparison's; the held-out 2% is the main comparison's, and each run on a share "
+             "keeps the best of its 10 held-out evaluations.", "",
+             "| labels | epochs: fine-tuning; from scratch | MPP, fine-tuned | from scratch | "
+             "MPP minus from scratch (2 std) | MPP's lr (chosen on held-out) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    budgets = [("100% (the main comparison)", f"{PRETRAIN_EPOCHS} + 2; {PRETRAIN_EPOCHS + 2}",
+                *full)]  # fmt: skip
+    for f, (label, ft, base) in zip(FEW_LABELS, FEW, strict=True):
+        ft_epochs, scratch_epochs, _, _ = few_label_budget(f)
+        budgets.append((label, f"{PRETRAIN_EPOCHS} + {ft_epochs}; {scratch_epochs}", ft, base))
+    for label, epochs, ft, base in budgets:
+        a, b = arm_scores(r, ft), arm_scores(r, base)
+        cells = [_mean_std_cell(a), _mean_std_cell(b), "-"]
+        if a and b:
+            (m, sm), (s, ss) = mean_std(a), mean_std(b)
+            spread = f"{200 * max(sm, ss):.2f}" if min(len(a), len(b)) > 1 else "one seed"
+            cells[2] = f"{100 * (m - s):+.2f} ({spread})"
+        lines.append(f"| {label} | {epochs} | {' | '.join(cells)} | {sweep_text(r, ft[0])} |")
     return lines
+
+
+def _mean_std_cell(scores: list[float]) -> str:
+    if not scores:
+        return "pending"
+    m, sd = mean_std(scores)
+    return f"{100 * m:.2f} ± {100 * sd:.2f} (n={len(scores)})"
 
 
 def reused_lr(r: Results, arms: dict[str, list[str]]) -> str:
