@@ -148,6 +148,14 @@ def test_plan_seeds_reuse_the_lr_seed_0_chose(tmp_path, monkeypatch):
     won = study.RECIPES["recipe_p7_flip"]
     pre = next(s for s in study.plan() if s.name == "mpp")
     assert study_steps.chosen_augmentation() == won and pre.args()[-len(won) :] == won
+    # The label-scarce seeds reuse the lr their share's seed 0 chose, on the same share.
+    (tmp_path / "ft_mpp_labels1_s0.json").write_text(
+        json.dumps({"result": {"chosen": {"optim.lr": 0.01}}})
+    )
+    few = {s.name: s for s in study.plan() if "labels1_" in s.name}
+    assert "--sweep" in few["ft_mpp_labels1_s0"].args()
+    assert {"optim.lr=0.01", "data.train_fraction=0.01"} <= set(few["ft_mpp_labels1_s2"].args())
+    assert "data.train_fraction=0.01" in few["scratch_labels1_s1"].args()
     assert study_mlflow.method_of("ft_mpp_s1") == study_mlflow.method_of("mpp_e2/knn") == "mpp"
     assert study_mlflow.method_of("scratch_s2") == "scratch"
 
@@ -238,6 +246,10 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     for seed, (ft, base) in enumerate(((0.915, 0.895), (0.91, 0.885)), start=1):
         _write(res, f"ft_mpp_long_s{seed}", {"selected_top1": ft})
         _write(res, f"scratch_long_s{seed}", {"selected_top1": base})
+    # 10% of the labels, three seeds: a row of the label-scarce table, a goal row, the figure.
+    for seed, (ft, base) in enumerate(((0.85, 0.82), (0.86, 0.83), (0.84, 0.81))):
+        _write(res, f"ft_mpp_labels10_s{seed}", {**sweep, "selected_top1": ft})
+        _write(res, f"scratch_labels10_s{seed}", {"selected_top1": base})
     study_report.write_report([], Path("results/study"), out, "budget", Path("runs/study"),
                               (1, 2, 4, 6), (0, 1, 2))  # fmt: skip
     text = out.read_text()
@@ -245,6 +257,11 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     assert "| MPP fine-tuned, longer schedule (3 seeds) | >= 93.0 | 91.00 | no |" in text
     assert ("| MPP minus from scratch, longer schedule (3 seeds) | >= +1.0 and > 2 std | "
             "+2.00 (2 std = 1.00) | yes |") in text  # fmt: skip
+    assert ("| 10% of the labels | 6 + 20; 80 | 85.00 ± 1.00 (n=3) | 82.00 ± 1.00 (n=3) | "
+            "+3.00 (2.00) | 0.01 (held-out") in text  # fmt: skip
+    assert ("| MPP minus from scratch, 10% of the labels (3 seeds) | >= +1.0 and > 2 std | "
+            "+3.00 (2 std = 2.00) | yes |") in text  # fmt: skip
+    assert (res / "labels.png").stat().st_size > 1000 and "](results/study/labels.png)" in text
 
 
 def test_reading_a_run_curve():
