@@ -307,16 +307,14 @@ def write_report(plan: list, results: Path, out: Path, budget: str, study: Path,
                  *(row for label, ft, base in FT_LONG for row in
                    ((f"MPP, fine-tuned, {label}", ft), (f"from scratch, {label}", base))),
                  (f"MPP, fine-tuned, {GPU_SPLIT_LABEL}", GPU_SPLIT_ARM)]  # fmt: skip
-    figures = [
-        label_fig,
-        curve_figure(r, root / results / "pretraining_curve.png", pretrainings, RANDOM_OF),
-        loss_figure(r, root / results / "finetune_loss.png",
-                    [("MPP, fine-tuned", arms["mpp"][0]),
-                     ("supervised, fine-tuned", arms["supervised"][0]),
-                     ("from scratch", arms["scratch"][0]), *trainings]),
-    ]  # fmt: skip
-    lines += figure_lines(figures[1], "Frozen MPP features against pretraining epochs", root)
-    lines += figure_lines(figures[2], "Training loss of fine-tuning and from scratch", root)
+    curve_fig = curve_figure(r, root / results / "pretraining_curve.png", pretrainings, RANDOM_OF)
+    loss_fig = loss_figure(r, root / results / "finetune_loss.png",
+                           [("MPP, fine-tuned", arms["mpp"][0]),
+                            ("supervised, fine-tuned", arms["supervised"][0]),
+                            ("from scratch", arms["scratch"][0]), *trainings])  # fmt: skip
+    figures = [label_fig, curve_fig, loss_fig]
+    lines += figure_lines(curve_fig, "Frozen MPP features against pretraining epochs", root)
+    lines += figure_lines(loss_fig, "Training loss of fine-tuning and from scratch", root)
     ablations = [("MPP 15% corrupted (BERT's rate)", "mpp15_e6"),
                  ("target: 4x4 downsized patch, 3-bit", "mpp_downsized_e6"),
                  ("target: L2 on pixels", "mpp_pixels_e6"),

@@ -59,13 +59,20 @@ def arm_scores(r: Results, steps: list[str]) -> list[float]:
     return [v for v in (r.selected(s) for s in steps) if v is not None]
 
 
+def mean_std_text(scores: list[float]) -> str:
+    """'85.65 ± 0.56 (n=3)' in percent, or 'pending' without a score."""
+    if not scores:
+        return "pending"
+    mean, std = mean_std(scores)
+    return f"{100 * mean:.2f} ± {100 * std:.2f} (n={len(scores)})"
+
+
 def arm_row(r: Results, label: str, steps: list[str], lr: str) -> str:
     scores = arm_scores(r, steps)
     if not scores:
         return f"| {label} | pending | - | {lr} |"
-    mean, std = mean_std(scores)
     each = ", ".join(f"{100 * v:.2f}" for v in scores)
-    return f"| {label} | {100 * mean:.2f} ± {100 * std:.2f} (n={len(scores)}) | {each} | {lr} |"
+    return f"| {label} | {mean_std_text(scores)} | {each} | {lr} |"
 
 
 def sweep_choice(r: Results, sweep: str) -> str:

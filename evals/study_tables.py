@@ -7,12 +7,22 @@ import statistics
 from pathlib import Path
 
 from study_figures import figure_lines
-from study_results import Results, arm_scores, mean_std, pct, sweep_choice, sweep_text
+from study_results import (
+    Results,
+    arm_scores,
+    mean_std,
+    mean_std_text,
+    pct,
+    sweep_choice,
+    sweep_text,
+)
 from study_steps import (
     FEW_LABELS,
+    FINETUNE_EPOCHS,
     FT_LONG_EPOCHS,
     GPU_SPLIT,
     PRETRAIN_EPOCHS,
+    SCRATCH_EPOCHS,
     SEEDS,
     few_label_arms,
     few_label_budget,
@@ -53,27 +63,20 @@ def label_scarce(r: Results, full: tuple[list[str], list[str]]) -> list[str]:
              "| labels | epochs: fine-tuning; from scratch | MPP, fine-tuned | from scratch | "
              "MPP minus from scratch (2 std) | MPP's lr (chosen on held-out) |",
              "|---|---|---|---|---|---|"]  # fmt: skip
-    budgets = [("100% (the main comparison)", f"{PRETRAIN_EPOCHS} + 2; {PRETRAIN_EPOCHS + 2}",
-                *full)]  # fmt: skip
+    budgets = [("100% (the main comparison)",
+                f"{PRETRAIN_EPOCHS} + {FINETUNE_EPOCHS}; {SCRATCH_EPOCHS}", *full)]  # fmt: skip
     for f, (label, ft, base) in zip(FEW_LABELS, FEW, strict=True):
         ft_epochs, scratch_epochs, _, _ = few_label_budget(f)
         budgets.append((label, f"{PRETRAIN_EPOCHS} + {ft_epochs}; {scratch_epochs}", ft, base))
     for label, epochs, ft, base in budgets:
         a, b = arm_scores(r, ft), arm_scores(r, base)
-        cells = [_mean_std_cell(a), _mean_std_cell(b), "-"]
+        cells = [mean_std_text(a), mean_std_text(b), "-"]
         if a and b:
             (m, sm), (s, ss) = mean_std(a), mean_std(b)
             spread = f"{200 * max(sm, ss):.2f}" if min(len(a), len(b)) > 1 else "one seed"
             cells[2] = f"{100 * (m - s):+.2f} ({spread})"
         lines.append(f"| {label} | {epochs} | {' | '.join(cells)} | {sweep_text(r, ft[0])} |")
     return lines
-
-
-def _mean_std_cell(scores: list[float]) -> str:
-    if not scores:
-        return "pending"
-    m, sd = mean_std(scores)
-    return f"{100 * m:.2f} ± {100 * sd:.2f} (n={len(scores)})"
 
 
 def reused_lr(r: Results, arms: dict[str, list[str]]) -> str:
