@@ -60,11 +60,12 @@ def arm_scores(r: Results, steps: list[str]) -> list[float]:
 
 
 def mean_std_text(scores: list[float]) -> str:
-    """'85.65 ± 0.56 (n=3)' in percent, or 'pending' without a score."""
+    """'85.65 ± 0.56 (n=3)' in percent ('75.73 (n=1)': one seed has no spread), or 'pending'."""
     if not scores:
         return "pending"
     mean, std = mean_std(scores)
-    return f"{100 * mean:.2f} ± {100 * std:.2f} (n={len(scores)})"
+    spread = f" ± {100 * std:.2f}" if len(scores) > 1 else ""
+    return f"{100 * mean:.2f}{spread} (n={len(scores)})"
 
 
 def arm_row(r: Results, label: str, steps: list[str], lr: str) -> str:
