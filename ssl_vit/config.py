@@ -13,11 +13,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any
 
 import yaml
 
+from ssl_vit.config_values import ConfigError, apply_mapping, parse_overrides, plain, yaml_problem
 from ssl_vit.io import atomic_write_text
 from ssl_vit.recipe import MPP, TARGETS
 
@@ -26,10 +26,6 @@ from ssl_vit.recipe import MPP, TARGETS
 # in ssl_vit.objectives refuses to load unless its kinds are exactly these.
 OBJECTIVE_KINDS = ("mpp", "supervised", "joint", "finetune", "cascade")
 FINETUNE_KINDS = ("finetune", "cascade")  # objectives evals/finetune.py trains
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key and what to do."""
 
 
 @dataclass
@@ -175,7 +171,7 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
+        return plain(dataclasses.asdict(self))
 
 
 def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -194,100 +190,6 @@ def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check `value` against a field's type hint (`int | None`, `tuple[float, float]`, ...)."""
-    if get_origin(hint) in (Union, UnionType):
-        if value is None and type(None) in get_args(hint):
-            return None
-        hint = next(a for a in get_args(hint) if a is not type(None))
-    if value is None:
-        raise ConfigError(f"config key {key!r}: null is not allowed here; give a value")
-    origin = get_origin(hint) or hint
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-        dict: lambda v: isinstance(v, dict),
-        tuple: lambda v: isinstance(v, (list, tuple)) and len(v) == len(get_args(hint)),
-        list: lambda v: isinstance(v, (list, tuple)) and all(ok[get_args(hint)[0]](x) for x in v),
-    }
-    if hint is Any:
-        return value
-    if origin is float and isinstance(value, str):  # YAML 1.1 reads "2e-3" as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if not ok[origin](value) or (origin is tuple and not all(ok[float](v) for v in value)):
-        want = getattr(hint, "__name__", str(hint))
-        if origin is list:
-            want = f"list of {get_args(hint)[0].__name__} (e.g. [1, 2, 4])"
-        raise ConfigError(f"config key {key!r}: {value!r} is not a valid {want}")
-    if origin is float:
-        return float(value)
-    if origin is tuple:
-        return tuple(float(v) for v in value)
-    if origin is list:
-        return list(value)
-    return value
-
-
-def _apply(section: Any, values: dict[str, Any], prefix: str) -> None:
-    hints = get_type_hints(type(section))
-    for key, value in values.items():
-        full = f"{prefix}{key}"
-        if key not in hints:
-            known = ", ".join(f"{prefix}{k}" for k in hints)
-            raise ConfigError(f"unknown config key {full!r}; known keys here: {known}")
-        current = getattr(section, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key {full!r} is a section; give a mapping")
-            _apply(current, value, f"{full}.")
-        else:
-            setattr(section, key, _coerce(value, hints[key], full))
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """Turn ["optim.lr=1e-3", "model.kwargs={depth: 6}"] into a nested dict (values are YAML)."""
-    nested: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=200)")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError:
-            value = raw
-        node = nested
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return nested
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """One line from PyYAML's multi-line message: where and what."""
-    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    mark, context = getattr(e, "problem_mark", None), getattr(e, "context", None)
-    if mark is None:
-        return problem
-    where = getattr(e, "context_mark", None)
-    if context and where is not None and where.line != mark.line:
-        problem += f" ({context} from line {where.line + 1})"
-    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-
-
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML preset at `path`, then `overrides`; validated."""
     cfg = Config()
@@ -298,26 +200,41 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         try:
             body = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML ({_yaml_problem(e)}); fix the file") from None
+            raise ConfigError(f"{p}: not valid YAML ({yaml_problem(e)}); fix the file") from None
         if not isinstance(body, dict):
             raise ConfigError(f"{p}: expected a mapping of sections at the top level")
-        _apply(cfg, body, "")
-    _apply(cfg, parse_overrides(overrides or []), "")
+        apply_mapping(cfg, body)
+    apply_mapping(cfg, parse_overrides(overrides or []))
     validate(cfg)
     return cfg
 
 
+# Keys whose value is one of a few names (checked before anything that depends on them)
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "objective.kind": OBJECTIVE_KINDS,
+    "objective.target": TARGETS,
+    "optim.name": ("adamw", "sgd"),
+    "optim.schedule": ("cosine", "linear"),
+    "train.precision": ("auto", "bf16", "fp16", "fp32"),
+    "train.compile": (True, False, "auto"),
+    "train.zero_stage": (0, 1, 2, 3),  # DeepSpeed's ZeRO stages
+    "data.in_memory": (True, False, "auto"),
+    "data.missing_shards": ("error", "skip"),
+}
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Checks that need no data; `engine.preflight.check_data` does the rest with the shards."""
+    for key, choices in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        # `in` alone would take 1 for True and 0.0 for False; the type must match too
+        if not any(value == c and type(value) is type(c) for c in choices):
+            names = [str(c).lower() if isinstance(c, bool) else str(c) for c in choices]
+            raise ConfigError(f"{key}={value!r}: choose {', '.join(names[:-1])} or {names[-1]}")
     m, o, t = cfg.model, cfg.objective, cfg.train
-    if o.kind not in OBJECTIVE_KINDS:
-        raise ConfigError(f"objective.kind={o.kind!r}: choose one of {', '.join(OBJECTIVE_KINDS)}")
     if o.kind == "cascade":
         _check_cascade_sizes(o.cascade_sizes, m.img_size)
-    if cfg.optim.name not in ("adamw", "sgd"):
-        raise ConfigError(f"optim.name={cfg.optim.name!r}: choose adamw or sgd")
-    if o.target not in TARGETS:
-        raise ConfigError(f"objective.target={o.target!r}: choose one of {', '.join(TARGETS)}")
     if not 0 < o.corrupt_ratio <= 1:
         raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")
     if o.mask_prob < 0 or o.random_prob < 0 or o.mask_prob + o.random_prob > 1:
@@ -334,27 +251,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("give exactly one of train.steps and train.epochs")
     if (t.steps is not None and t.steps <= 0) or (t.epochs is not None and t.epochs <= 0):
         raise ConfigError("train.steps / train.epochs must be positive")
-    if t.precision not in ("auto", "bf16", "fp16", "fp32"):
-        raise ConfigError(f"train.precision={t.precision!r}: choose auto, bf16, fp16 or fp32")
-    if t.compile not in (True, False, "auto"):
-        raise ConfigError(f"train.compile={t.compile!r}: choose true, false or auto")
     if t.compile is True and t.zero_stage == 3:
         raise ConfigError(
             "train.compile=true does not run under ZeRO-3 here (its parameter hooks run inside "
             "each block); set train.compile=auto or false"
         )
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage={t.zero_stage}: DeepSpeed ZeRO stages are 0-3")
-    if cfg.optim.schedule not in ("cosine", "linear"):
-        raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: choose cosine or linear")
-    if cfg.data.in_memory not in (True, False, "auto"):
-        raise ConfigError(f"data.in_memory={cfg.data.in_memory!r}: choose true, false or auto")
     if not 0 <= cfg.data.translate < cfg.model.img_size:
         raise ConfigError(
             f"data.translate={cfg.data.translate}: a shift in pixels in [0, model.img_size)"
         )
-    if cfg.data.missing_shards not in ("error", "skip"):
-        raise ConfigError(f"data.missing_shards={cfg.data.missing_shards!r}: error or skip")
     if t.global_batch <= 0:
         raise ConfigError(f"train.global_batch={t.global_batch}: must be positive")
     if t.micro_batch is not None and t.micro_batch <= 0:

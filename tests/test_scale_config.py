@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, run_cli
 
-from ssl_vit.config import ConfigError, load_config, local_batch
+from ssl_vit.config import CHOICES, Config, ConfigError, load_config, local_batch
 from ssl_vit.engine.optim import deepspeed_config
 from ssl_vit.engine.precision import gpu_precision
 from ssl_vit.features import random_backbone, split_features
@@ -35,6 +35,26 @@ def test_micro_batch_is_a_cap_that_fits_every_launch(world, expect):
 def test_micro_batch_cap_picks_the_largest_divisor():
     cfg = cfg_with("train.global_batch=96", "train.micro_batch=64")
     assert local_batch(cfg, 1) == (96, 48, 2)
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_every_choice_key_refuses_a_value_outside_its_choices(key):
+    section, name = key.split(".")
+    default = getattr(getattr(Config(), section), name)
+    assert default in CHOICES[key]  # the default is a choice
+    bad = 7 if type(default) is int else "nope"  # of the field's type, not a choice
+    with pytest.raises(ConfigError, match=rf"^{re.escape(f'{key}={bad!r}')}: choose .+ or "):
+        cfg_with(f"{key}={bad}")
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("train.compile=1", "train.compile"), ("data.in_memory=0", "data.in_memory")],
+)
+def test_a_number_is_not_taken_for_true_or_false(override, key):
+    # YAML reads 1 as an int, and 1 == True: a plain `in` check would let it through
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=\d: choose true, false or auto"):
+        cfg_with(override)
 
 
 def test_imagenet_preset_checks_for_its_header_launch_sizes():
