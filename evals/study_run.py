@@ -166,9 +166,12 @@ def _has_checkpoints(step, root: Path) -> bool:
                                    for p in run.rglob("checkpoints"))  # fmt: skip
 
 
-def record(step, root: Path, seconds: float | None, resumed: bool = False) -> dict:
+def record(
+    step, root: Path, seconds: float | None, resumed: bool = False, rebuilt: dict | None = None
+) -> dict:
     """Write the step's result (and metric lines) under results/study/. `seconds` is the wall
-    time of this run of the command: of its last leg only where it `resumed`."""
+    time of this run of the command: of its last leg only where it `resumed`. `rebuilt`: the
+    steps it read whose export was rebuilt (their result kept, their weights a new run's)."""
     output = _read_output(step, root)
     run_id = output.get("mlflow_run_id")
     if run_id is None and step.run_dir and (root / step.run_dir / "mlflow_run_id").is_file():
@@ -179,6 +182,7 @@ def record(step, root: Path, seconds: float | None, resumed: bool = False) -> di
         "recipe": recipe(step, root),
         "seconds": seconds,
         "resumed": resumed,
+        **({"rebuilt_needs": rebuilt} if rebuilt else {}),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "result_id": uuid.uuid4().hex,  # what the results of steps that read this one name
         "git_commit": _git_commit(root),
@@ -223,12 +227,32 @@ def _execute(step, root: Path, study: Path, parents, keep_result: bool = False) 
     if rc != 0:
         print(f"[study] {step.name} failed (exit {rc}); see {log}", flush=True)
         return rc
+    marker = _rebuilt_marker(step.name, root, study)
     if keep_result:
+        # Training on a CPU is not bitwise repeatable: the rebuilt weights are a new sample of
+        # the same recipe. The results of the steps that read them say so (report: every step).
         print(f"[study] {step.name}: export rebuilt; its result stands", flush=True)
+        run_id = root / step.run_dir / "mlflow_run_id" if step.run_dir else None
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(marker, json.dumps({
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "mlflow_run_id": run_id.read_text().strip() if run_id and run_id.is_file() else None,
+        }) + "\n")  # fmt: skip
         return 0
-    record(step, root, seconds, resumed)
+    marker.unlink(missing_ok=True)  # a fresh result: its export is this run's
+    record(step, root, seconds, resumed, rebuilt_needs(step, root, study))
     study_mlflow.log_step(parents, step.name, root / step.output)
     return 0
+
+
+def _rebuilt_marker(name: str, root: Path, study: Path) -> Path:
+    return root / study / "rebuilt" / f"{name.replace('/', '-')}.json"
+
+
+def rebuilt_needs(step, root: Path, study: Path) -> dict:
+    """The steps `step` reads whose export on this machine is a rebuild (what its result says)."""
+    return {need: json.loads(p.read_text()) for need in step.needs
+            if (p := _rebuilt_marker(need, root, study)).is_file()}  # fmt: skip
 
 
 def _ensure(step, by_name: dict, root: Path, study: Path, parents) -> int:
@@ -265,7 +289,7 @@ def run(steps: list, root: Path, study: Path, only: list[str] | None = None) -> 
             _set_aside(step, root)
         rc = _ensure(step, by_name, root, study, parents)
         if not rc and (root / step.output).is_file():  # ran before, not recorded: record
-            record(step, root, None)
+            record(step, root, None, rebuilt=rebuilt_needs(step, root, study))
             continue
         rc = rc or _execute(step, root, study, parents)
         if rc:

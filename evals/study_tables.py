@@ -258,6 +258,10 @@ def steps_table(r: Results, plan: list) -> list[str]:
         wall = "-" if secs is None else f"{secs / 60:.1f} min"
         if res.get("resumed"):
             wall += " (its last leg: resumed from a checkpoint)"
+        if rebuilt := res.get("rebuilt_needs"):
+            wall += (
+                f" (read a rebuild of {', '.join(sorted(rebuilt))}'s export: same recipe, new run)"
+            )
         lines.append(f"| {step.name} | `{res['command']}` | {res.get('mlflow_run_id') or '-'} "
                      f"| {wall} |")  # fmt: skip
     return lines

@@ -61,6 +61,12 @@ def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch
     assert (tmp_path / "results/study/pre.json").read_text() == pre_result
     assert [study_run.state(s, tmp_path) for s in steps] == ["done"] * 3
     assert _calls(tmp_path, "pre_e2-knn") == 1
+    # ...but the step that read the rebuilt weights (not bitwise the first run's) says so.
+    res = json.loads((tmp_path / "results/study/pre_e1/knn.json").read_text())
+    assert list(res["rebuilt_needs"]) == ["pre"] and res["rebuilt_needs"]["pre"]["finished"]
+    assert "rebuilt_needs" not in json.loads(
+        (tmp_path / "results/study/pre_e2/knn.json").read_text()
+    )
     # Output there but no result (stopped between the two): recorded without rerunning.
     (tmp_path / "results/study/pre_e1/knn.json").unlink()
     assert study_run.run(steps, tmp_path, Path("runs/study")) == 0
@@ -74,6 +80,10 @@ def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch
     assert _calls(tmp_path, "pre") == 3 and _calls(tmp_path, "pre_e1-knn") == 3
     assert [study_run.state(s, tmp_path) for s in steps] == ["done"] * 3
     assert len(list((tmp_path / "runs/study/pre").glob("out.json.stale-*"))) == 1
+    # A fresh pretraining result: its export is no longer a rebuild.
+    assert "rebuilt_needs" not in json.loads(
+        (tmp_path / "results/study/pre_e1/knn.json").read_text()
+    )
 
 
 def test_a_stale_sweep_keeps_its_run_directory(tmp_path, monkeypatch):
