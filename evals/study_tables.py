@@ -76,7 +76,18 @@ def label_scarce(r: Results, full: tuple[list[str], list[str]]) -> list[str]:
             spread = f"{200 * max(sm, ss):.2f}" if min(len(a), len(b)) > 1 else "one seed"
             cells[2] = f"{100 * (m - s):+.2f} ({spread})"
         lines.append(f"| {label} | {epochs} | {' | '.join(cells)} | {sweep_text(r, ft[0])} |")
-    return lines
+    return lines + rebuilt_note(r, [s for _, _, ft, _ in budgets for s in ft])
+
+
+def rebuilt_note(r: Results, steps: list[str]) -> list[str]:
+    """A sentence naming the fine-tunes whose pretraining was rerun on a new machine (the same
+    recipe, but weights that are a second sample of it), where there are any."""
+    rebuilt = [s for s in steps if (r.get(s) or {}).get("rebuilt_needs")]
+    if not rebuilt:
+        return []
+    return ["", f"{', '.join(rebuilt)} fine-tuned a rerun of the pretraining (a new machine had "
+            "lost its export: the same recipe and seed, weights not bitwise the same on a CPU), "
+            "so the spread over seeds also holds the pretraining's."]  # fmt: skip
 
 
 def reused_lr(r: Results, arms: dict[str, list[str]]) -> str:
@@ -247,7 +258,7 @@ def inspect_figures(root: Path, results: Path) -> list[str]:
 
 
 def steps_table(r: Results, plan: list) -> list[str]:
-    lines = ["", "## Every step", "", "| step | command | MLflow run | wall time |",
+    lines = ["", "## Every step", "", "| step | command | MLflow run | wall time, notes |",
              "|---|---|---|---|"]  # fmt: skip
     for step in plan:
         res = r.get(step.name)

@@ -170,10 +170,11 @@ def test_plan_seeds_reuse_the_lr_seed_0_chose(tmp_path, monkeypatch):
     assert study_mlflow.method_of("scratch_s2") == "scratch"
 
 
-def _write(root: Path, name: str, result: dict) -> None:
+def _write(root: Path, name: str, result: dict, **extra) -> None:
     path = root / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"result": result, "machine": "m", "command": "c", "seconds": 60}))
+    res = {"result": result, "machine": "m", "command": "c", "seconds": 60, **extra}
+    path.write_text(json.dumps(res))
 
 
 def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
@@ -258,7 +259,8 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
         _write(res, f"scratch_long_s{seed}", {"selected_top1": base})
     # 10% of the labels, three seeds: a row of the label-scarce table, a goal row, the figure.
     for seed, (ft, base) in enumerate(((0.85, 0.82), (0.86, 0.83), (0.84, 0.81))):
-        _write(res, f"ft_mpp_labels10_s{seed}", {**sweep, "selected_top1": ft})
+        rebuilt = {"rebuilt_needs": {"mpp": {"finished": "t"}}} if seed == 2 else {}
+        _write(res, f"ft_mpp_labels10_s{seed}", {**sweep, "selected_top1": ft}, **rebuilt)
         _write(res, f"scratch_labels10_s{seed}", {"selected_top1": base})
     study_report.write_report([], Path("results/study"), out, "budget", Path("runs/study"),
                               (1, 2, 4, 6), (0, 1, 2))  # fmt: skip
@@ -272,6 +274,9 @@ def test_report_statistics_and_goals_follow_the_results(tmp_path, monkeypatch):
     assert ("| MPP minus from scratch, 10% of the labels (3 seeds) | >= +1.0 and > 2 std | "
             "+3.00 (2 std = 2.00) | yes |") in text  # fmt: skip
     assert (res / "labels.png").stat().st_size > 1000 and "](results/study/labels.png)" in text
+    # seed 2 read a rerun of the pretraining: the table says so, and so does its step's row
+    assert "\nft_mpp_labels10_s2 fine-tuned a rerun of the pretraining (a new machine" in text
+    assert "| 30% of the labels | 6 + 7; 27 | pending | pending | - |" in text  # planned, not run
 
 
 def test_reading_a_run_curve():
