@@ -5,6 +5,7 @@
 Every preset in configs/ starts with the command that runs it. Unknown keys, wrong types and
 inconsistent values are rejected with a one-line `ConfigError` that names the key, before any
 training starts. The fully resolved config is written to the run directory as config.yaml.
+The schema and its checks live here; filling dataclasses from YAML, ssl_vit.config_values.
 """
 
 from __future__ import annotations
