@@ -7,7 +7,7 @@ FMNIST  ?= /usr/share/datasets/fashion-mnist
 SHARDS  ?= shards/fashion-mnist
 RUN     ?= runs/quickstart
 
-.PHONY: setup quickstart test lint bench fashion-mnist
+.PHONY: setup quickstart test lint bench fashion-mnist device-kit
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,12 @@ quickstart: setup fashion-mnist $(SHARDS)/manifest.json
 TEST_WORKERS ?= auto
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+
+# What a lent GPU machine lacks (wheels, deepspeed, Fashion-MNIST) for benchmarks/device_study.sh:
+# PRESENT names the machine's packages (its KINDS.md entry, or one name per line).
+device-kit: setup fashion-mnist
+	@test -n "$(PRESENT)" || { echo "make device-kit PRESENT=FILE: the lent image's package list"; exit 2; }
+	$(BIN)/python benchmarks/device_kit.py --present $(PRESENT) --fmnist $(FMNIST)
 
 lint: setup
 	$(BIN)/ruff check .
