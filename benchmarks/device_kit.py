@@ -163,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ds_needs = pack_deepspeed(args.out)
     kit = closure([*ROOTS, *ds_needs], present, lambda n: needs(wheel_requires(fetch(n, args.out))))
-    kept = {canonical(n) for n in kit}
-    stray = [w.name for w in args.out.glob("*.whl") if canonical(w.name.split("-")[0]) not in kept]
-    for w in stray:  # from an older kit: two versions, or a package the machine now has
-        (args.out / w).unlink()
+    for w in args.out.glob("*.whl"):  # an older kit's wheel that nothing requires now
+        if canonical(w.name.split("-")[0]) not in kit:
+            w.unlink()
     copy_fmnist(args.fmnist, ROOT / ".fmnist")
     size = sum(f.stat().st_size for d in (args.out, ROOT / ".fmnist") for f in d.iterdir())
     print(f"{len(kit)} wheels + deepspeed-site.tgz in {args.out}, Fashion-MNIST in .fmnist: "
