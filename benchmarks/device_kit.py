@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterable
 from email.parser import HeaderParser
 from pathlib import Path
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,12 +72,14 @@ def needs(requires_dist: Iterable[str]) -> list[str]:
     out = []
     for spec in requires_dist:
         req = Requirement(spec)
-        if req.marker is None or Marker(str(req.marker)).evaluate(TARGET):
+        if req.marker is None or req.marker.evaluate(TARGET):
             out.append(canonical(req.name))
     return out
 
 
-def closure(roots: Iterable[str], present: set[str], requires: Callable[[str], list[str]]):
+def closure(
+    roots: Iterable[str], present: set[str], requires: Callable[[str], list[str]]
+) -> list[str]:
     """Every package reachable from `roots` through `requires`, not crossing `present`."""
     kit: list[str] = []
     todo = [canonical(r) for r in roots]

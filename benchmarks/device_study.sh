@@ -11,8 +11,9 @@
 # dependencies travel beside the tree: .whl/*.whl (webdataset, mlflow-skinny and their needs for
 # Python 3.12), .whl/deepspeed-site.tgz (the pure-Python deepspeed package) and the Fashion-MNIST
 # IDX files in .fmnist/, all written here by `make device-kit PRESENT=<the image's package list>`
-# (benchmarks/device_kit.py; about 50 MiB). Elsewhere `pip install -e .` and FMNIST=DIR do. BUDGET: seconds after
-# which unfinished steps are stopped (they resume from their checkpoints on a later call).
+# (benchmarks/device_kit.py; about 50 MiB). Elsewhere `pip install -e .` and FMNIST=DIR do.
+# BUDGET: seconds after which unfinished steps are stopped (they resume from their checkpoints
+# on a later call).
 # What comes back under $OUT: the study's results of the track, logs and metric lines, and the
 # MPP run's exports (the frozen evaluations of evals/study.py read them on any machine).
 set -u
