@@ -35,6 +35,11 @@ EPILOG = """\
 splits:    --val-fraction/--test-fraction move a stable, path-hashed fraction of the unsplit (or
            train) inputs to val/test: adding files later never moves existing ones.
 sizing:    a shard closes at --shard-size samples or --shard-bytes bytes, whichever comes first.
+           --num-shards N instead cuts each split into N shards of equal size (+-1 sample): give
+           training at least ranks x loader workers shards so each stream reads its own. The
+           train split must hold N samples; a smaller other split gets one sample per shard.
+index:     manifest.json lists the byte offset of every 100th sample of each shard, so a reader
+           can start inside a shard without reading its head.
 encoding:  --format keep stores the original bytes when nothing had to change (PNG/JPEG/WebP with
            the right mode, no rotation or resize) and re-encodes in the same format otherwise;
            png/jpg/webp always re-encode (--quality for jpg/webp). IDX images are stored as PNG.
@@ -122,7 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--test-fraction", type=_fraction, default=0.0, help="fraction to test (0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the shuffle inside each split (0)")
     g = p.add_argument_group("sizing")
-    g.add_argument("--shard-size", type=_positive, default=5000, help="samples per shard (5000)")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--shard-size", type=_positive, default=None, help="samples per shard (5000)")
+    one.add_argument(
+        "--num-shards",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="instead of --shard-size: every split in N shards of equal size (+-1 sample; more "
+        "if --shard-bytes splits one). Use N >= ranks x loader workers: training then gives each "
+        "stream shards of its own; with fewer, every stream reads every shard",
+    )
     g.add_argument("--shard-bytes", type=_bytes, default=1 << 30, help="bytes per shard (1G)")
     g = p.add_argument_group("images")
     g.add_argument(
@@ -208,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=a.seed,
             val_fraction=a.val_fraction,
             test_fraction=a.test_fraction,
-            shard_size=a.shard_size,
+            shard_size=5000 if a.shard_size is None else a.shard_size,
+            num_shards=a.num_shards,
             shard_bytes=a.shard_bytes,
             follow_symlinks=a.follow_symlinks,
             labels=not a.no_labels,

@@ -23,7 +23,7 @@ from ssl_vit.evaluation.cli import add_verbose_arg, run_main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backbone", required=True, help="cascade export, run dir or MLflow URI")
-    p.add_argument("--data", required=True, help="shard set folder (with manifest.json)")
+    p.add_argument("--data", required=True, help="shard set: a folder or URL holding manifest.json")
     p.add_argument("--out", required=True, help="folder for results.json and the plot")
     p.add_argument("--train-split", default="train", help="split whose held-out part chooses")
     p.add_argument("--test-split", default="test", help="split reported on")

@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "models:/NAME/VERSION, models:/NAME@ALIAS)",
     )
     src.add_argument("--random-init", metavar="ARCH", help="timm arch, untrained (a baseline)")
-    p.add_argument("--data", type=Path, required=True, help="shard set (folder with manifest.json)")
+    p.add_argument("--data", required=True, help="shard set: a folder or URL with manifest.json")
     p.add_argument("--split", default="test", help="split to draw images from (default: test)")
     p.add_argument("--out", type=Path, required=True, help="folder for the PNGs and inspect.json")
     p.add_argument(
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_images(data: Path, split: str, n: int, size: int, batch: int) -> torch.Tensor:
+def read_images(data: str, split: str, n: int, size: int, batch: int) -> torch.Tensor:
     """The first n images of the split, in order, as (n, C, size, size) float in [0, 1]."""
     import torch
 

@@ -50,7 +50,9 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    root: str = "shards/fashion-mnist"  # shard set made by data_prep/make_shards.py
+    # Shard set made by data_prep/make_shards.py: a folder or a URL (http(s)://, s3://, gs://,
+    # file://, or 'pipe:CMD {}' with {} for the file name; ssl_vit.data.urls).
+    root: str = "shards/fashion-mnist"
     split: str = "train"
     num_workers: int = 2
     augment: bool = True  # random resized crop + flip: the classification augmentation (B.1.2)
@@ -59,7 +61,16 @@ class DataConfig:
     # Random shift of up to this many pixels per axis, zero-filled, after the crop: the "pad and
     # random crop" of small-image training (CIFAR-style); 0: none, as the paper (B.1.2).
     translate: int = 0
-    missing_shards: str = "error"  # "error" or "skip"
+    # A shard missing or unreadable after its retries: stop ("error") or train on without it,
+    # counted in the logs and MLflow ("skip").
+    missing_shards: str = "error"
+    # false: every training sample read once per epoch by exactly one loader stream (streams
+    # start inside shards through the manifest's offset index); true: each stream draws shards
+    # with replacement, an epoch being a sample count (elastic runs, few or unindexed remote
+    # shards). ssl_vit.data.stream_plan.
+    resampled: bool = False
+    read_retries: int = 5  # tries of a failed remote read, with backoff from 1 s, doubling
+    read_timeout: float = 60.0  # seconds a remote read may stall before it counts as failed
     # Hashed share of `split` kept out of training to choose on (ssl_vit.data.holdout).
     # None: 0.02 when fine-tuning (the paper's held-out 2%, appendix B.1.1), else 0.
     holdout_fraction: float | None = None
@@ -236,6 +247,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     m, o, t = cfg.model, cfg.objective, cfg.train
     if o.kind == "cascade":
         _check_cascade_sizes(o.cascade_sizes, m.img_size)
+    if cfg.data.read_retries < 1 or cfg.data.read_timeout <= 0:
+        raise ConfigError("data.read_retries must be >= 1 and data.read_timeout > 0")
     if not 0 < o.corrupt_ratio <= 1:
         raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")
     if o.mask_prob < 0 or o.random_prob < 0 or o.mask_prob + o.random_prob > 1:

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ssl_vit import readout
 from ssl_vit.data.manifest import MANIFEST_NAME, load_manifest
+from ssl_vit.data.urls import join
 from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR
 from ssl_vit.io import atomic_write_bytes, sha256_file
 from ssl_vit.readout import POOLS, readout_name
@@ -302,7 +303,7 @@ def cached(
 
 
 def eval_batches(
-    data: Path, split: str, batch_size: int, num_workers: int, img_size: int
+    data: str | os.PathLike, split: str, batch_size: int, num_workers: int, img_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each sample of the split once, in order, as uint8 (B, C, img_size, img_size)."""
     from ssl_vit.data.stream import make_eval_loader
@@ -314,7 +315,7 @@ def eval_batches(
 
 def feature_fields(
     backbone: EvalBackbone,
-    manifest_root: Path,
+    manifest_root: str | os.PathLike,
     split: str,
     *,
     pool: str,
@@ -327,7 +328,7 @@ def feature_fields(
     name = pool if pool != "lastn" else f"lastn{n_last}"
     return {
         "backbone": backbone.ident,
-        "manifest_sha256": sha256_file(Path(manifest_root) / MANIFEST_NAME),
+        "manifest_sha256": load_manifest(manifest_root).sha256,
         "split": split,
         "pool": readout_name(name, layer),  # the last block's keys are those of before layers
         "img_size": backbone.img_size,
@@ -379,7 +380,7 @@ def split_features(
             log.warning(
                 "%s: split %r lists %d samples but %d were readable; results cover those only "
                 "(run data_prep/verify_shards.py)",
-                manifest.root / MANIFEST_NAME, split, info.num_samples, len(y),
+                join(str(manifest.root), MANIFEST_NAME), split, info.num_samples, len(y),
             )  # fmt: skip
         return f, y
 

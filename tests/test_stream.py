@@ -268,3 +268,97 @@ def test_train_fraction_trains_a_nested_hashed_subset(tmp_path: Path) -> None:
         assert distinct == 1 if in_memory else distinct > 0.7
     with pytest.raises(ValueError, match="raise data.train_fraction=0.01"):
         _train(root, global_batch=16, train_fraction=0.01)
+
+
+@pytest.mark.parametrize("world,workers", [(1, 0), (1, 2), (3, 1), (2, 2), (4, 2), (8, 2)])
+def test_every_sample_exactly_once_at_any_stream_count(tmp_path: Path, world, workers) -> None:
+    """Exact epochs at 1 to 16 streams over 3 shards, with a held-out share: each training
+    sample comes once, and each is read once (the counters see no sample read twice)."""
+    root = make_set(tmp_path, [10, 7, 13])
+    held = set(held_out_indices(30, 0.1).tolist())
+    global_batch = 2 * world
+    steps = (30 - len(held)) // global_batch
+    seen: list[int] = []
+    read = 0
+    for rank in range(world):
+        loader = _train(root, global_batch=global_batch, rank=rank, world_size=world,
+                        num_workers=workers, holdout_fraction=0.1)  # fmt: skip
+        assert loader.read_factor <= 1.0
+        labels = torch.cat(_epoch(loader)[1]).tolist()
+        assert len(labels) == steps * (global_batch // world)
+        seen += labels
+        read += loader.counter.samples_read
+    assert len(seen) == len(set(seen)) == steps * global_batch
+    assert not set(seen) & held
+    assert read == len(seen)  # no sample read twice, none read and dropped
+
+
+def _refs(n_shards: int, per_shard: int, url: str, every: int = 0) -> list:
+    from ssl_vit.data.shards import ShardRef
+
+    index = tuple(range(0, per_shard, every)) if every else ()
+    return [
+        ShardRef(f"{url}/train-{i:06d}.tar", per_shard, i * per_shard, index, every)
+        for i in range(n_shards)
+    ]
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3, 100, 320, 512])
+def test_plan_reads_each_sample_once_at_scale(streams: int) -> None:
+    """The epoch plan in-process for many streams: 257 shards of 5,000 (ImageNet at the default
+    shard size) over up to 512 streams. Each sample is planned at most once; the plan reads the
+    set about once where streams can enter a shard (local, or an indexed remote shard) and far
+    more where they must read its head (an unindexed remote shard)."""
+    from ssl_vit.data.stream_plan import Exclusions, exact_pieces, read_factor, stream_quota
+
+    workers = 1 if streams < 8 else 8
+    world = max(1, streams // workers)
+    steps = 257 * 5000 // (world * 64)
+    quotas = [stream_quota(steps, 64, workers, r) for r in range(workers)] * world
+    local = _refs(257, 5000, "/data/shards")
+    plans = exact_pieces(local, quotas, Exclusions([]), seed=0, epoch=3)
+    assert [sum(p.stop - p.start for p in pieces) for pieces in plans] == quotas
+    covered = sorted((p.ref.offset + p.start, p.ref.offset + p.stop) for ps in plans for p in ps)
+    assert all(a[1] <= b[0] for a, b in zip(covered, covered[1:], strict=False))  # disjoint
+    assert read_factor(local, plans) <= 1.0
+    indexed = _refs(257, 5000, "https://data.example.org/shards", every=100)
+    plans = exact_pieces(indexed, quotas, Exclusions([]), seed=0, epoch=3)
+    assert read_factor(indexed, plans) <= 1.05
+    bare = _refs(257, 5000, "https://data.example.org/shards")
+    plans = exact_pieces(bare, quotas, Exclusions([]), seed=0, epoch=3)
+    if streams >= 100:
+        assert read_factor(bare, plans) > 1.05  # what the preflight refuses
+
+
+def test_resampled_draws_shards_with_replacement(tmp_path: Path) -> None:
+    root = make_set(tmp_path, [6, 6, 6])
+    runs = []
+    for _ in range(2):
+        loader = _train(root, global_batch=4, resampled=True, augment=False)
+        assert loader.steps_per_epoch == 4 and loader.read_factor == 1.0
+        runs.append(torch.cat(_epoch(loader)[1]).tolist())
+    assert runs[0] == runs[1] and len(runs[0]) == 16  # seeded, and an epoch is a sample count
+    assert set(runs[0]) <= set(range(18))
+
+
+def test_workers_persist_across_epochs(tmp_path: Path) -> None:
+    """One set of worker processes for the loader's life; `set_epoch` reaches them, and an
+    epoch they make equals the same epoch of a fresh loader."""
+    root = make_set(tmp_path, [9, 9, 9, 9])
+    loader = _train(root, global_batch=6)
+    _epoch(loader)
+    pids = [w.pid for w in loader._dataloader()._iterator._workers]
+    loader.set_epoch(2)
+    again = _epoch(loader)
+    assert [w.pid for w in loader._dataloader()._iterator._workers] == pids
+    fresh = _epoch(_train(root, global_batch=6, epoch=2))
+    assert all(torch.equal(p, q) for p, q in zip(again[0] + again[1], fresh[0] + fresh[1],
+                                                 strict=True))  # fmt: skip
+
+
+def test_shared_memory_too_small_is_one_line() -> None:
+    from ssl_vit.data.stream import check_shared_memory
+
+    check_shared_memory(1 << 20, 2, 2)
+    with pytest.raises(RuntimeError, match=r"/dev/shm has \d+ MB free .*--shm-size"):
+        check_shared_memory(1 << 50, 8, 2)

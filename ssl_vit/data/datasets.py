@@ -4,11 +4,11 @@ batches, `EvalStream` for evaluation in manifest order."""
 
 from __future__ import annotations
 
-import bisect
 import random
-from collections.abc import Callable, Iterator
-from dataclasses import KW_ONLY, dataclass
+from collections.abc import Iterator
+from dataclasses import KW_ONLY, dataclass, field
 from itertools import count
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,12 +23,30 @@ from .augment import (
     to_batch,
     train_transform,
 )
-from .shards import ShardRef, SkipCounter, read_shard, report_skip
+from .shards import ReadCounter, ShardRef, read_shard, report_skip
+from .stream_plan import Exclusions, Piece, exact_pieces, resampled_pieces, stream_quota
+from .urls import Retry
 
 
 def _worker() -> tuple[int, int]:
     info = get_worker_info()
     return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+class EpochPosition:
+    """(epoch, batches of it already trained on) in shared memory: the main process sets it,
+    persistent loader workers read it when each epoch starts."""
+
+    def __init__(self, ctx: Any, epoch: int = 0, skip_batches: int = 0) -> None:
+        self._value = ctx.Array("q", [epoch, skip_batches])
+
+    def get(self) -> tuple[int, int]:
+        with self._value.get_lock():
+            return int(self._value[0]), int(self._value[1])
+
+    def set(self, epoch: int, skip_batches: int) -> None:
+        with self._value.get_lock():
+            self._value[0], self._value[1] = epoch, skip_batches
 
 
 @dataclass(eq=False)
@@ -45,8 +63,7 @@ class TrainStream(IterableDataset):
     batch: int  # per-rank batch
     steps: int  # batches per epoch and rank
     seed: int
-    epoch: int
-    skip_batches: int  # batches of this epoch already trained on (a mid-epoch resume)
+    position: EpochPosition  # (epoch, skip_batches), shared with persistent workers
     img_size: int
     augment: bool
     scale: tuple[float, float]
@@ -54,70 +71,69 @@ class TrainStream(IterableDataset):
     translate: int  # random shift of up to this many pixels per axis (0: none)
     shuffle_buffer: int
     shuffle_initial: int
-    counter: SkipCounter
-    exclude: frozenset[int]  # held-out manifest indices, never yielded
-    exclude_sorted: tuple[int, ...]
+    counter: ReadCounter
+    exclusions: Exclusions  # held-out manifest indices, never yielded
+    resampled: bool = False  # shards drawn with replacement (ssl_vit.data.stream_plan)
+    retry: Retry = field(default_factory=Retry)
+    missing: str = "error"
 
-    def plan(self) -> tuple[list[list[ShardRef]], bool]:
-        """Shards per stream for this epoch, and whether streams split by sample index."""
-        num_streams, W = self.world_size * self.workers, self.workers
-        order = list(self.shards)
-        random.Random(mix_seed(self.seed, self.epoch, 0x5EED)).shuffle(order)
-        if len(order) < num_streams:
-            return [order] * num_streams, True
-        deficit = [self.batch * ((self.steps - s % W + W - 1) // W) for s in range(num_streams)]
-        plan: list[list[ShardRef]] = [[] for _ in range(num_streams)]
-        for i, ref in enumerate(order):
-            s = i if i < num_streams else max(range(num_streams), key=deficit.__getitem__)
-            plan[s].append(ref)
-            deficit[s] -= ref.num_samples - self._num_excluded(ref)
-        return plan, False
+    def quotas(self) -> list[int]:
+        """Samples per stream this epoch, streams in order (rank-major)."""
+        W = self.workers
+        per_rank = [stream_quota(self.steps, self.batch, W, role) for role in range(W)]
+        return per_rank * self.world_size
 
-    def _num_excluded(self, ref: ShardRef) -> int:
-        """Held-out samples inside `ref` (never yielded by the train stream)."""
-        ex = self.exclude_sorted
-        return bisect.bisect_left(ex, ref.offset + ref.num_samples) - bisect.bisect_left(
-            ex, ref.offset
-        )
+    def plan(self, epoch: int) -> list[list[Piece]]:
+        """Every stream's pieces of an epoch (exact epochs; ssl_vit.data.stream_plan)."""
+        quotas = self.quotas()
+        return exact_pieces(self.shards, quotas, self.exclusions, seed=self.seed, epoch=epoch)
 
-    def _pass(self, order: list[ShardRef], keep: Callable[[int], bool] | None) -> Iterator[dict]:
-        for ref in order:
-            yield from read_shard(ref, keep, self.counter)
-
-    def _raw(self, stream: int, shards: list[ShardRef], modulo: bool) -> Iterator[dict]:
-        """The stream's samples, pass after pass over its shards, each pass buffer-shuffled on
-        its own (so one pass is drained before the next begins: no sample twice per pass)."""
-        num_streams, exclude = self.world_size * self.workers, self.exclude
-        if modulo:
-            keep = lambda i: i % num_streams == stream and i not in exclude  # noqa: E731
+    def _raw(self, stream: int, epoch: int) -> Iterator[dict]:
+        """The stream's samples, buffer-shuffled. After data was lost (a broken shard), the
+        stream's pieces are read again, reshuffled, so its quota still fills."""
+        keep = (lambda i: i not in self.exclusions.set) if self.exclusions.sorted else None
+        if self.resampled:
+            pieces: Iterator[Piece] | list[Piece] = resampled_pieces(
+                self.shards, seed=self.seed, epoch=epoch, stream=stream
+            )
         else:
-            keep = (lambda i: i not in exclude) if exclude else None
+            pieces = self.plan(epoch)[stream]
         for p in count():
-            order = list(shards)
-            if p > 0:  # re-read a short stream, reshuffled
-                random.Random(mix_seed(self.seed, self.epoch, stream, p)).shuffle(order)
-            rng = random.Random(mix_seed(self.seed, self.epoch, stream, -1 - p))
+            order = pieces
+            if p > 0:
+                order = list(pieces)
+                random.Random(mix_seed(self.seed, epoch, stream, p)).shuffle(order)
+            rng = random.Random(mix_seed(self.seed, epoch, stream, -1 - p))
             shuffle = wds.shuffle(self.shuffle_buffer, self.shuffle_initial, rng=rng)
+            samples = (
+                s
+                for piece in order
+                for s in read_shard(
+                    piece.ref, self.counter, start=piece.start, stop=piece.stop, keep=keep,
+                    retry=self.retry, missing=self.missing,  # type: ignore[arg-type]
+                )
+            )  # fmt: skip
             n = 0
-            for sample in shuffle(self._pass(order, keep)):
+            for sample in shuffle(samples):
                 n += 1
                 yield sample
             if n == 0:  # would loop forever otherwise
                 raise RuntimeError(
-                    f"no readable sample in the {len(order)} shards of stream {stream} "
-                    f"(e.g. {order[0].path if order else '-'}); check the shard set"
+                    f"no readable sample in the pieces of stream {stream}; check the shard set"
                 )
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         w, W = _worker()
         if W != self.workers:
             raise RuntimeError(f"built for {self.workers} workers, run with {W}")
-        role = (self.skip_batches + w) % W  # the worker this one stands for; see module doc
+        # Read once: a persistent worker may still be making this epoch's last batches when the
+        # main process moves the shared position on.
+        epoch, skip_batches = self.position.get()
+        role = (skip_batches + w) % W  # the worker this one stands for; see module doc
         stream = self.rank * W + role
         n_total = (self.steps - role + W - 1) // W
-        n_skip = max(0, (self.skip_batches - role + W - 1) // W)
-        plan, modulo = self.plan()
-        src = self._raw(stream, plan[stream], modulo)
+        n_skip = max(0, (skip_batches - role + W - 1) // W)
+        src = self._raw(stream, epoch)
         pos = 0
         for _ in range(n_skip * self.batch):  # skip before decoding
             next(src)
@@ -128,7 +144,7 @@ class TrainStream(IterableDataset):
             for _chunk in range(100):
                 # One generator per chunk, seeded by its first position: a resume that skips
                 # whole batches meets the same seeds (a generator per sample cost ~6 us each).
-                aug_rng = random.Random(mix_seed(self.seed, self.epoch, stream, pos))
+                aug_rng = random.Random(mix_seed(self.seed, epoch, stream, pos))
                 for _ in range(self.batch):
                     sample = next(src)
                     pos += 1
@@ -172,45 +188,51 @@ class EvalStream(IterableDataset):
     batch: int
     img_size: int
     with_keys: bool
-    counter: SkipCounter
+    counter: ReadCounter
     subset: np.ndarray | None  # sorted manifest indices (the held-out samples), or None
     with_indices: bool = False  # the samples' manifest indices as a last item (int64 tensor)
+    retry: Retry = field(default_factory=Retry)
+    missing: str = "error"
+
+    def _batch_samples(self, b: int) -> Iterator[dict]:
+        """The raw samples of batch b of this rank's part, in order; only its shards' pieces
+        are read (a worker skips the other workers' batches through the offset index)."""
+        lo, bs = self.lo, self.batch
+        p0, p1 = lo + b * bs, min(self.hi, lo + (b + 1) * bs)  # positions p0..p1-1
+        keep = None
+        if self.subset is None:  # positions are manifest indices
+            first, last = p0, p1 - 1
+        else:  # positions index the sorted subset (the held-out samples)
+            members = frozenset(int(i) for i in self.subset[p0:p1])
+            first, last = int(self.subset[p0]), int(self.subset[p1 - 1])
+            keep = members.__contains__
+        for ref in self.shards:
+            if ref.offset > last or ref.offset + ref.num_samples <= first:
+                continue
+            start = max(0, first - ref.offset)
+            stop = min(ref.num_samples, last + 1 - ref.offset)
+            yield from read_shard(
+                ref, self.counter, start=start, stop=stop, keep=keep, retry=self.retry,
+                missing=self.missing,  # type: ignore[arg-type]
+            )  # fmt: skip
 
     def __iter__(self) -> Iterator[tuple]:
         w, W = _worker()
-        lo, hi, bs = self.lo, self.hi, self.batch
-        num_batches = (hi - lo + bs - 1) // bs
-        if self.subset is None:  # positions lo..hi-1 are manifest indices lo..hi-1
-            pos: Callable[[int], int] = lambda i: i - lo if lo <= i < hi else -1  # noqa: E731
-            first, last = lo, hi - 1
-        else:  # positions lo..hi-1 of the sorted subset (the held-out samples)
-            mine_idx = self.subset[lo:hi]
-            where = {int(i): p for p, i in enumerate(mine_idx)}
-            pos = lambda i: where.get(i, -1)  # noqa: E731
-            first, last = (int(mine_idx[0]), int(mine_idx[-1])) if len(mine_idx) else (0, -1)
-
-        def mine(i: int) -> bool:  # worker w owns batches w, w + W, ... (torch's order)
-            p = pos(i)
-            return p >= 0 and (p // bs) % W == w
-
-        refs = [r for r in self.shards if r.offset <= last and r.offset + r.num_samples > first]
-        samples = (s for r in refs for s in read_shard(r, mine, self.counter))
-        pending = next(samples, None)
-        for b in range(w, num_batches, W):
+        num_batches = (self.hi - self.lo + self.batch - 1) // self.batch
+        for b in range(w, num_batches, W):  # worker w makes batches w, w + W, ... (torch's order)
             imgs, labels, keys, indices = [], [], [], []
-            while pending is not None and pos(pending["__index__"]) // bs == b:
+            for sample in self._batch_samples(b):
                 try:
                     img, label = decode_sample(
-                        pending, channels=self.channels, labelled=self.labelled
+                        sample, channels=self.channels, labelled=self.labelled
                     )
                     imgs.append(eval_transform(img, self.img_size))
                     labels.append(label)
-                    keys.append(pending["__key__"])
-                    indices.append(pending["__index__"])
+                    keys.append(sample["__key__"])
+                    indices.append(sample["__index__"])
                 except CorruptSample as e:
                     self.counter.add(samples=1)
-                    report_skip(f"{pending.get('__url__')}: {e}")
-                pending = next(samples, None)
+                    report_skip(f"{sample.get('__url__')}: {e}")
             # An empty batch is still sent (and dropped by the loader) to keep worker order.
             images = (
                 to_batch(imgs)

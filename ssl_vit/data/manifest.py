@@ -16,7 +16,8 @@ manifest.json (format_version 1):
       "splits": {
         "train": {"num_samples": 60000,
                   "shards": [{"name": "train-000000.tar", "num_samples": 5000,
-                              "bytes": 12345678, "sha256": "..."}, ...]},
+                              "bytes": 12345678, "sha256": "...",
+                              "offsets": [0, 309248, ...]}, ...]},
         "test": {...}
       },
       "class_names": ["T-shirt/top", ...],   # null for an unlabelled set
@@ -25,20 +26,27 @@ manifest.json (format_version 1):
       "mean": [0.286], "std": [0.353],       # per channel, pixel values in [0, 1]
       "stats_split": "train",                # the split mean/std were computed on
       "num_skipped": 0,                      # lines in errors.jsonl
+      "index_every": 100,                    # "offsets" holds every 100th sample's byte offset
       "created_by": {"tool": "...", "version": "...", "source": "...", "options": {...}}
     }
+
+`offsets` (optional; shard sets made before it have none) is the byte offset in the tar of
+samples 0, index_every, 2 * index_every, ... of the shard: a reader that starts inside a shard
+seeks there (a ranged request for a remote shard) instead of reading the shard's head.
 
 This module depends only on the standard library so data_prep runs without torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ssl_vit.data.urls import join, local_path, normalise_root, read_bytes
 from ssl_vit.io import atomic_write_text
 
 FORMAT = "ssl-vit-shards"
@@ -57,6 +65,7 @@ class ShardInfo:
     num_samples: int
     bytes: int
     sha256: str
+    offsets: list[int] | None = None  # byte offsets of samples 0, index_every, ... (see above)
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,10 @@ class Manifest:
     std: list[float]
     stats_split: str | None = None
     num_skipped: int = 0
+    index_every: int | None = None  # the stride of ShardInfo.offsets
     created_by: dict[str, Any] = field(default_factory=dict)
-    root: Path | None = field(default=None, compare=False)
+    root: str | None = field(default=None, compare=False)  # a local path or URL (data.urls)
+    sha256: str | None = field(default=None, compare=False)  # of the manifest.json it was read from
 
     @property
     def num_classes(self) -> int | None:
@@ -84,7 +95,7 @@ class Manifest:
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
-            where = self.root / MANIFEST_NAME if self.root else MANIFEST_NAME
+            where = join(self.root, MANIFEST_NAME) if self.root else MANIFEST_NAME
             raise ManifestError(
                 f"{where}: no split {name!r}; it has {sorted(self.splits)}. "
                 "Choose one of those or re-run data_prep/make_shards.py with that split."
@@ -92,13 +103,24 @@ class Manifest:
         return self.splits[name]
 
     def shard_paths(self, split: str) -> list[Path]:
-        """Absolute paths of a split's shards, in manifest order."""
-        root = self.root or Path(".")
+        """Absolute paths of a split's shards, in manifest order (a local set's)."""
+        root = local_path(self.root or ".")
+        if root is None:
+            raise ValueError(f"{self.root}: not a local shard set")
         return [root / s.name for s in self.split(split).shards]
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest.json object. The optional index (`offsets`, `index_every`) is left out
+        where absent, so a set made without it serialises exactly as before it existed."""
         body = asdict(self)
         body.pop("root")
+        body.pop("sha256")
+        if body["index_every"] is None:
+            del body["index_every"]
+        for split in body["splits"].values():
+            for shard in split["shards"]:
+                if shard["offsets"] is None:
+                    del shard["offsets"]
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **body}
 
 
@@ -119,17 +141,25 @@ def _require(obj: dict, key: str, kind: type | tuple, where: Path) -> Any:
 
 
 def load_manifest(root: str | os.PathLike) -> Manifest:
-    """Read and validate `root/manifest.json` (root may also be the manifest file itself)."""
-    root = Path(root)
-    if root.name == MANIFEST_NAME:
-        root = root.parent
-    path = root / MANIFEST_NAME
-    if not path.is_file():
+    """Read and validate `root/manifest.json`: root is a folder or URL (ssl_vit.data.urls), or
+    the manifest file itself."""
+    root = os.fspath(root)
+    if root.rstrip("/").endswith("/" + MANIFEST_NAME) or root == MANIFEST_NAME:
+        root = root.rstrip("/")[: -len(MANIFEST_NAME)] or "."
+    root = normalise_root(root)
+    path = join(root, MANIFEST_NAME)
+    try:
+        data = read_bytes(path)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise ManifestError(
             f"{path}: not found; point at a shard set made by data_prep/make_shards.py"
-        )
+        ) from None
+    except Exception as e:  # a server or bucket that cannot be reached, after the retries
+        raise ManifestError(
+            f"{path}: unreadable ({type(e).__name__}: {e}); check the URL and the credentials"
+        ) from None
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path}: not valid JSON ({e}); re-create the shard set") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -160,13 +190,18 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
         std=[float(s) for s in std],
         stats_split=raw.get("stats_split"),
         num_skipped=int(raw.get("num_skipped", 0)),
+        index_every=raw.get("index_every"),
         created_by=raw.get("created_by", {}),
-        root=root.resolve(),
+        root=root,
+        sha256=hashlib.sha256(data).hexdigest(),
     )
 
 
 def check_shards_exist(manifest: Manifest, split: str) -> list[Path]:
-    """Return the split's shard paths, or raise naming the first missing one."""
+    """Return a local split's shard paths, or raise naming the first missing one (a remote
+    set's shards are found missing when read: ssl_vit.data.shards)."""
+    if local_path(manifest.root or ".") is None:
+        return []
     paths = manifest.shard_paths(split)
     missing = [p for p in paths if not p.is_file()]
     if missing:

@@ -46,7 +46,7 @@ from .augment import crop_params, mix_seed, shift_params
 from .datasets import EvalStream
 from .holdout import excluded_indices
 from .manifest import Manifest
-from .shards import ShardRef, SkipCounter
+from .shards import ReadCounter, ShardRef
 from .workers import IN_PROCESS_SAMPLES
 
 log = logging.getLogger("ssl_vit.data")
@@ -86,7 +86,7 @@ def _decode_split(
     split: str,
     shards: list[ShardRef],
     workers: int,
-    counter: SkipCounter,
+    counter: ReadCounter,
     ctx: mp.context.BaseContext,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(images (N, C, H, W) uint8, labels (N,), manifest indices (N,)) of every readable
@@ -135,7 +135,7 @@ class MemoryTrainLoader:
         augment: bool,
         scale: tuple[float, float],
         hflip: bool,
-        counter: SkipCounter,
+        counter: ReadCounter,
         translate: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
@@ -248,7 +248,7 @@ def load_training_samples(
     shards: list[ShardRef],
     num_workers: int,
     holdout_fraction: float,
-    counter: SkipCounter,
+    counter: ReadCounter,
     ctx: mp.context.BaseContext,
     train_fraction: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,10 +49,15 @@ from ssl_vit.data.shard_writer import (
     verify_record,
 )
 from ssl_vit.data.sources import Listing, open_source
+from ssl_vit.data.tar_reader import sample_offsets
 from ssl_vit.io import atomic_write_text
 
 WORK = ".work"
 TOOL = "data_prep/make_shards.py"
+# The manifest lists the byte offset of every INDEX_EVERY-th sample of each shard: a reader that
+# starts at an arbitrary sample reads at most 99 samples it does not need, and the index stays
+# small (about 13k numbers for ImageNet's 1.28M images).
+INDEX_EVERY = 100
 
 
 class JobError(ValueError):
@@ -330,6 +335,12 @@ def merge(
                 f"that owns it (--job-index = {i} mod --num-jobs) before --merge"
             )
         records.append(rec)
+    # The index is read back from the parts rather than kept by the writer: parts kept from an
+    # earlier (resumed) run or written by another job get it the same way, and it is a function
+    # of the part's bytes alone, so it is the same whatever --workers or --num-jobs. All parts
+    # are read before any is renamed, so a bad part stops the merge with the folder unchanged.
+    parts = [p for rec in records for p in rec.parts]
+    offsets = {p.name: _part_offsets(work / p.name, p.num_samples) for p in parts}
     splits: dict[str, SplitInfo] = {}
     counters: dict[str, int] = {}
     errors = list(listing.errors)
@@ -341,7 +352,7 @@ def merge(
             name = f"{rec.split}-{counters.get(rec.split, 0):06d}.tar"
             counters[rec.split] = counters.get(rec.split, 0) + 1
             os.replace(work / p.name, out / name)
-            shards.append(ShardInfo(name, p.num_samples, p.bytes, p.sha256))
+            shards.append(ShardInfo(name, p.num_samples, p.bytes, p.sha256, offsets[p.name]))
         errors.extend(rec.errors)
         mixed |= rec.mixed_sizes
         if rec.image_size:
@@ -361,6 +372,7 @@ def merge(
         std=std,
         stats_split="train" if train_stats else None,
         num_skipped=len(errors),
+        index_every=INDEX_EVERY,
         created_by={"tool": TOOL, "version": ssl_vit.__version__, **fingerprint(source, opts)},
     )
     atomic_write_text(out / ERRORS_NAME, "".join(json.dumps(e) + "\n" for e in errors))
@@ -368,6 +380,21 @@ def merge(
     shutil.rmtree(work, ignore_errors=True)
     kept = sum(s.num_samples for s in splits.values())
     return Summary(kept, len(errors), len(groups) - reused, reused, merged=True)
+
+
+def _part_offsets(path: Path, num_samples: int) -> list[int]:
+    """The part's sample offsets (every INDEX_EVERY-th), checked against its recorded count."""
+    try:
+        with open(path, "rb") as f:
+            offsets = sample_offsets(f, INDEX_EVERY)
+    except ValueError as e:
+        raise JobError(f"{path}: unreadable part ({e}); delete it and rerun its job") from None
+    if len(offsets) != -(-num_samples // INDEX_EVERY):
+        raise JobError(
+            f"{path}: holds another number of samples than its record says ({num_samples}); "
+            "delete it and rerun its job"
+        )
+    return offsets
 
 
 def _already_done(out: Path) -> Summary:

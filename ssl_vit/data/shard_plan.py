@@ -27,15 +27,27 @@ class ShardOptions:
     seed: int = 0
     val_fraction: float = 0.0
     test_fraction: float = 0.0
-    shard_size: int = 5000  # samples per shard (at most)
+    shard_size: int | None = 5000  # samples per shard (at most); None when num_shards is set
     shard_bytes: int = 1 << 30  # bytes per shard (at most; one oversized sample still fits)
     follow_symlinks: bool = False
     labels: bool = True
     class_names: tuple[str, ...] | None = None
+    num_shards: int | None = None  # instead of shard_size: each split in this many shards
+
+    def __post_init__(self) -> None:
+        if self.num_shards is not None:
+            if self.num_shards < 1:
+                raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+            # num_shards replaces shard_size: recording both would name a size never used.
+            object.__setattr__(self, "shard_size", None)
+        elif self.shard_size is None or self.shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["class_names"] = list(self.class_names) if self.class_names else None
+        if self.num_shards is None:  # absent, not null: older shard sets' options stay equal
+            del body["num_shards"]
         return body
 
 
@@ -78,8 +90,29 @@ def make_key(rel: str) -> str:
     return f"{readable}_{digest}" if readable else digest
 
 
+def _bounds(split: str, n: int, opts: ShardOptions) -> list[int]:
+    """Where a split of n ordered items is cut into groups: [0, ..., n].
+
+    `shard_size`: full groups and a smaller last one. `num_shards` N: N groups whose sizes differ
+    by at most one (so N streams get nearly equal work). Fewer than N train samples is an error,
+    as then some training stream could not get a shard of its own; another split with fewer
+    than N samples gets one per sample (held-out splits are read by contiguous ranges, whatever
+    their shard count).
+    """
+    if opts.num_shards is None:
+        assert opts.shard_size is not None
+        return [*range(0, n, opts.shard_size), n]
+    if split == "train" and n < opts.num_shards:
+        raise ValueError(
+            f"--num-shards {opts.num_shards} is more than the {n} samples of the train split; "
+            f"use at most {n} (every shard needs a sample)"
+        )
+    k = min(opts.num_shards, n)
+    return [i * n // k for i in range(k + 1)]
+
+
 def make_plan(listing: Listing, opts: ShardOptions) -> list[Group]:
-    """Groups of at most `shard_size` items per split, in a seeded shuffled order."""
+    """Groups per split (see `_bounds` for their sizes), in a seeded shuffled order."""
     by_split: dict[str, list[tuple[bytes, str, Item]]] = {}
     seed = f"ssl-vit-order{opts.seed}".encode()[:64]
     for it in listing.items:
@@ -92,8 +125,9 @@ def make_plan(listing: Listing, opts: ShardOptions) -> list[Group]:
     seen: dict[str, str] = {}
     for split in names:
         ordered = [it for _, _, it in sorted(by_split[split], key=lambda t: (t[0], t[1]))]
-        for gi, start in enumerate(range(0, len(ordered), opts.shard_size)):
-            chunk = ordered[start : start + opts.shard_size]
+        bounds = _bounds(split, len(ordered), opts)
+        for gi, (start, stop) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            chunk = ordered[start:stop]
             keys = [it.key or make_key(it.rel) for it in chunk]
             for k, it in zip(keys, chunk, strict=True):
                 if k in seen:

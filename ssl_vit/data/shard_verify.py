@@ -1,4 +1,5 @@
-"""Check a shard set against its manifest: checksums, sizes, sample counts, a decoded sample."""
+"""Check a shard set against its manifest: checksums, sizes, sample counts, the byte-offset
+index, a decoded sample."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from ssl_vit.data.manifest import ERRORS_NAME, Manifest, ManifestError, load_manifest
+from ssl_vit.data.manifest import ERRORS_NAME, Manifest, ManifestError, ShardInfo, load_manifest
+from ssl_vit.data.tar_reader import sample_offsets
 from ssl_vit.io import sha256_file
 
 _IMAGE_EXTS = ("png", "jpg", "webp")
@@ -66,6 +68,32 @@ def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[s
     return problems
 
 
+def _check_offsets(path: Path, sh: ShardInfo, every: int | None) -> list[str]:
+    """The manifest's offsets of this shard must be exactly where its samples 0, every, ...
+    start: a reader seeking to a wrong one would read from the middle of a sample."""
+    if sh.offsets is None:
+        return []
+    if every is None or every < 1:
+        return [f"{path.name}: lists offsets, but the manifest has no valid index_every"]
+    try:
+        with open(path, "rb") as f:
+            actual = sample_offsets(f, every)
+    except (OSError, ValueError) as e:
+        return [f"{path.name}: offsets not checked, unreadable tar ({e})"]
+    for i, (listed, real) in enumerate(zip(sh.offsets, actual, strict=False)):  # lengths: below
+        if listed != real:
+            return [
+                f"{path.name}: offsets[{i}] = {listed} is not where sample {i * every} starts "
+                f"(byte {real}); re-create the shard set"
+            ]
+    if len(sh.offsets) != len(actual):
+        return [
+            f"{path.name}: {len(sh.offsets)} offsets, its samples need {len(actual)} "
+            f"(one per {every}); re-create the shard set"
+        ]
+    return []
+
+
 def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
     report = VerifyReport()
     root = Path(root)
@@ -93,6 +121,7 @@ def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
                 report.problems.append(f"{sh.name}: sha256 differs from the manifest")
                 continue
             report.problems.extend(_check_shard(path, m, sh.num_samples, decode))
+            report.problems.extend(_check_offsets(path, sh, m.index_every))
         report.lines.append(
             f"{split:>6}: {info.num_samples} samples in {len(info.shards)} shards, "
             f"{total_bytes / 1e6:.1f} MB"

@@ -1,58 +1,82 @@
 """Reading a shard set's shards: which shards a split has, and their raw samples.
 
     refs = select_shards(manifest, "train", missing="error")   # list[ShardRef] with offsets
-    for sample in read_shard(refs[0], keep=None, counter=SkipCounter(mp.get_context())):
+    counter = ReadCounter(mp.get_context())
+    for sample in read_shard(refs[0], counter, start=120, stop=240):
         sample["__index__"]            # the sample's manifest index within the split
 
 `ShardRef.offset` is the manifest index of a shard's first sample, so every sample has a global
-index that streams can split on. A truncated or vanished shard ends early: its lost samples (and
-the shard, once) are counted in a `SkipCounter`, whose counters live in shared memory so that
-DataLoader workers write them and the main process reads them. `report_skip` logs skip events,
-rate-limited per process. Used by ssl_vit.data.stream (the loaders).
+index that streams can split on. A reader asked to start at sample `start` of a shard seeks to
+the nearest sample at or before it that the manifest's offset index lists (a ranged request for a
+remote shard), then passes over at most `index_every - 1` samples without reading their bytes
+where the source can seek (a local file, http(s), s3, gs) or reading and dropping them where it
+cannot (a pipe). Without an index, it walks the shard's headers from its start (ssl_vit.data.urls).
+
+A remote read that fails (reset, cut short, timeout, 5xx) is retried from the sample it was
+reading, with backoff (`Retry`); a shard still unreadable after that, or missing (404, no such
+key), is an error under missing="error" and is skipped and counted under missing="skip". A
+local shard that is truncated or corrupt ends early (retrying cannot mend a file); its lost
+samples are counted. Counts live in a `ReadCounter`, whose counters are in shared memory so that
+DataLoader workers write them and the main process reads them: samples skipped, shard errors,
+retries, and the samples and bytes actually read (how the loader proves that no shard is read
+twice per epoch). `report_skip` logs skip events, rate-limited per process. Used by
+ssl_vit.data.stream (the loaders).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .manifest import Manifest, ManifestError, check_shards_exist
-from .tar_reader import TarFormatError, iter_samples
+from .tar_reader import TarFormatError, _drop, read_samples
+from .urls import Retry, exists, is_missing, join, local_path, open_url
 
 log = logging.getLogger(__name__)
 _MAX_LOGGED = 20  # per process; then every 1000th, so junk data cannot flood the log
 _n_logged = 0
 
 
+class ShardReadError(OSError):
+    """A shard that could not be read after its retries, under missing="error"."""
+
+
 @dataclass(frozen=True)
 class ShardRef:
-    path: str
+    url: str  # a local path or a URL (ssl_vit.data.urls)
     num_samples: int
     offset: int  # manifest index (within the split) of the shard's first sample
+    offsets: tuple[int, ...] = ()  # byte offsets of samples 0, every, 2 * every, ...
+    every: int = 0
+
+    @property
+    def remote(self) -> bool:
+        return local_path(self.url) is None
 
 
-class SkipCounter:
+_FIELDS = ("samples", "shard_errors", "retries", "samples_read", "bytes_read")
+
+
+class ReadCounter:
     """Counters in shared memory, written by DataLoader workers and read by the main process."""
 
     def __init__(self, ctx: Any) -> None:
-        self._samples = ctx.Value("q", 0)
-        self._shards = ctx.Value("q", 0)
+        self._values = {name: ctx.Value("q", 0) for name in _FIELDS}
 
-    def add(self, samples: int = 0, shard_errors: int = 0) -> None:
-        with self._samples.get_lock():
-            self._samples.value += samples
-        with self._shards.get_lock():
-            self._shards.value += shard_errors
+    def add(self, **counts: int) -> None:
+        for name, n in counts.items():
+            if n:
+                value = self._values[name]
+                with value.get_lock():
+                    value.value += n
 
-    @property
-    def samples(self) -> int:
-        return int(self._samples.value)
-
-    @property
-    def shard_errors(self) -> int:
-        return int(self._shards.value)
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_") or name not in _FIELDS:
+            raise AttributeError(name)
+        return int(self._values[name].value)
 
 
 def report_skip(msg: str) -> None:
@@ -66,58 +90,125 @@ def report_skip(msg: str) -> None:
 def select_shards(
     manifest: Manifest, split: str, missing: Literal["error", "skip"] = "error"
 ) -> list[ShardRef]:
-    """The split's shards with their sample offsets; missing ones raise or are dropped."""
+    """The split's shards with their sample offsets. Missing local ones raise or are dropped;
+    a remote one is found missing only when read (see read_shard)."""
     infos = manifest.split(split).shards
     if missing == "error":
-        paths = check_shards_exist(manifest, split)
-    elif missing == "skip":
-        paths = manifest.shard_paths(split)
-        gone = [p for p in paths if not p.is_file()]
-        if gone:
-            log.warning(
-                "%d of %d %s shards missing, skipped (first: %s)",
-                len(gone),
-                len(paths),
-                split,
-                gone[0],
-            )
-    else:
+        check_shards_exist(manifest, split)
+    elif missing != "skip":
         raise ValueError(f"missing must be 'error' or 'skip', not {missing!r}")
+    urls = [join(str(manifest.root), info.name) for info in infos]
+    gone = [u for u in urls if exists(u) is False]
+    if gone:
+        log.warning("%d of %d %s shards missing, skipped (first: %s)",
+                    len(gone), len(urls), split, gone[0])  # fmt: skip
     refs, offset = [], 0
-    for info, path in zip(infos, paths, strict=True):
-        if path.is_file():
-            refs.append(ShardRef(str(path), info.num_samples, offset))
-            offset += info.num_samples
+    for info, url in zip(infos, urls, strict=True):
+        if url in gone:
+            continue
+        index = tuple(info.offsets or ()) if manifest.index_every else ()
+        refs.append(ShardRef(url, info.num_samples, offset, index, manifest.index_every or 0))
+        offset += info.num_samples
     if not refs:
         raise ManifestError(f"{manifest.root}: no {split} shard exists; restore the shard set")
     return refs
 
 
+class _Counting:
+    """A file's reads, counted in bytes (what a reader really pulled from the source)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.bytes = f, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.bytes += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return self.f.seekable() if hasattr(self.f, "seekable") else False
+
+    def seek(self, n: int, whence: int = 0) -> int:
+        return self.f.seek(n, whence)
+
+
 def read_shard(
-    ref: ShardRef, keep: Callable[[int], bool] | None, counter: SkipCounter
+    ref: ShardRef,
+    counter: ReadCounter,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    keep: Callable[[int], bool] | None = None,
+    retry: Retry | None = None,
+    missing: Literal["error", "skip"] = "skip",
 ) -> Iterator[dict]:
-    """Raw samples of one shard (ssl_vit.data.tar_reader), tagged with `__index__`; only those
-    whose index passes `keep`. A shard that fails or ends early counts its lost kept samples."""
-    error: Exception | None = None  # what ended the shard, if anything did
-    pos = 0
-    try:
-        for sample in iter_samples(ref.path):
-            if pos >= ref.num_samples:
-                log.warning("%s: more samples than the manifest says; extra ignored", ref.path)
-                break
-            index = ref.offset + pos
-            pos += 1
-            if keep is None or keep(index):
-                sample["__index__"] = index
-                yield sample
-    except (OSError, TarFormatError, UnicodeDecodeError) as e:  # ends the shard; counted below
-        error = e
-    if error is not None or pos < ref.num_samples:
-        lost = range(ref.offset + pos, ref.offset + ref.num_samples)
-        n_lost = sum(1 for i in lost if keep is None or keep(i))
-        # Streams that share the shard count the error once: the owner of the first lost sample.
-        owner = keep is None or keep(ref.offset + min(pos, ref.num_samples - 1))
-        counter.add(samples=n_lost, shard_errors=int(owner))
-        if owner:
-            why = f"{type(error).__name__}: {error}" if error is not None else "ended early"
-            report_skip(f"{ref.path}: read {pos} of {ref.num_samples} samples ({why})")
+    """Samples start..stop-1 (positions in the shard) whose manifest index passes `keep`, in
+    order, tagged with `__index__`; the others are passed over unread. See the module doc for
+    retries (`retry`: None = Retry()) and what `missing` does with a shard that cannot be read."""
+    stop = ref.num_samples if stop is None else min(stop, ref.num_samples)
+    retry = retry or Retry()
+    nxt = start  # position of the next sample still to deliver
+    failures = 0
+    error: Exception | None = None
+
+    def wanted(p: int) -> bool:
+        return nxt <= p < stop and (keep is None or keep(ref.offset + p))
+
+    while nxt < stop:
+        error, before = None, nxt
+        anchor = min(nxt // ref.every, len(ref.offsets) - 1) if ref.every and ref.offsets else -1
+        first = anchor * ref.every if anchor >= 0 else 0
+        byte = ref.offsets[anchor] if anchor >= 0 else 0
+        src = None
+        try:
+            raw, at = open_url(ref.url, byte, timeout=retry.timeout)
+            src = _Counting(raw)
+            with raw:
+                if at < byte:  # a pipe starts at 0
+                    _drop(src, byte - at, ref.url)
+                skip = lambda j, f=first: not wanted(f + j)  # noqa: E731
+                samples = read_samples(src, ref.url, byte, skip=skip)
+                for j, (_, sample) in enumerate(samples):
+                    p = first + j
+                    if p >= stop:
+                        break
+                    if p < nxt:
+                        continue
+                    nxt = p + 1
+                    if sample is not None:
+                        counter.add(samples_read=1)
+                        sample["__index__"] = ref.offset + p
+                        yield sample
+                break  # the shard (or the range) ended: short ends are counted below
+        except (OSError, TarFormatError, UnicodeDecodeError, TimeoutError) as e:
+            error = e
+        except Exception as e:  # e.g. aiohttp's errors, which are not OSErrors
+            if not ref.remote:
+                raise
+            error = e
+        finally:
+            if src is not None:
+                counter.add(bytes_read=src.bytes)
+        failures = 1 if nxt > before else failures + 1  # a try that moved on starts afresh
+        if not ref.remote or is_missing(error) or failures >= retry.attempts:
+            break
+        counter.add(retries=1)
+        log.warning("%s: read failed (%s: %s); retrying from sample %d", ref.url,
+                    type(error).__name__, error, nxt)  # fmt: skip
+        time.sleep(retry.backoff * 2 ** (failures - 1))
+    if error is None and nxt >= stop:
+        return
+    lost = range(ref.offset + nxt, ref.offset + stop)
+    n_lost = sum(1 for i in lost if keep is None or keep(i))
+    why = f"{type(error).__name__}: {error}" if error is not None else "ended early"
+    if ref.remote and missing == "error":
+        raise ShardReadError(
+            f"{ref.url}: unreadable after {retry.attempts} tries ({why}); fix the source or set "
+            "data.missing_shards=skip to train on without it"
+        )
+    # Readers of later parts of a broken shard deliver nothing: the reader of the part where it
+    # broke counts the shard error, once.
+    owner = nxt > start or start == 0
+    counter.add(samples=n_lost, shard_errors=int(owner))
+    if owner:
+        report_skip(f"{ref.url}: read {nxt - start} of {stop - start} samples ({why})")

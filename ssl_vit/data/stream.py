@@ -19,13 +19,18 @@ Public API:
 
 Train loader. Every rank runs exactly `steps_per_epoch = num_samples // global_batch` batches
 per epoch, whatever the shard count, so DDP never hangs. Each DataLoader worker of each rank is
-one "stream" (P = world_size x max(1, num_workers) of them). With at least P shards, the
-epoch's shuffled shards are dealt to streams (each takes one, then the rest go to the stream
-furthest from its sample quota); with fewer shards, every stream reads every shard and keeps
-the samples whose manifest index is its stream id modulo P. A stream whose shards run short
-re-reads them (reshuffled); the quota cuts it. Shard order, buffer shuffle and augmentation are
-seeded by (seed, epoch, stream, position), so an epoch is reproducible; when the sizes divide
-(shards split evenly over streams), every sample is seen exactly once per epoch across ranks.
+one "stream" (P = world_size x max(1, num_workers) of them). Which samples each stream reads is
+ssl_vit.data.stream_plan: by default every training sample exactly once per epoch at any P (the
+epoch's shuffled shards laid end to end and cut into the streams' quotas, a stream starting
+inside a shard through the manifest's offset index); with `resampled=True`, shards drawn with
+replacement. Shard order, buffer shuffle and augmentation are seeded by (seed, epoch, stream,
+position), so an epoch is reproducible. `loader.read_factor` is how many times the epoch's plan
+reads the shard set; `loader.counter` counts the samples and bytes really read.
+
+Workers live across epochs (persistent): `set_epoch` writes the epoch to shared memory, where
+each worker reads it when the next epoch's iteration starts. Batches travel from the workers
+through shared memory (/dev/shm on Linux); `check_shared_memory` refuses, in one line, a loader
+that would not fit there (a container's default /dev/shm is 64 MB).
 
 Resume: `skip_batches=k` yields exactly the batches k.. of the same epoch (same seed, world size
 and num_workers): skipped samples are read from the tar but never decoded. Worker w of the
@@ -41,7 +46,8 @@ memory: `loader.num_skipped` (samples, cumulative over the loader's life, all wo
 the main process. They lag the consumed batches by the prefetch depth. A shard missing at
 construction is a one-line ManifestError (missing="error"), or dropped with a warning
 (missing="skip"; the epoch length is then computed without it). Selecting and reading shards,
-and the counters: ssl_vit.data.shards (the tar parsing, ours for speed: ssl_vit.data.tar_reader);
+and the counters: ssl_vit.data.shards (the tar parsing, ours for speed: ssl_vit.data.tar_reader;
+opening local files and URLs, with retries: ssl_vit.data.urls);
 the two IterableDatasets: ssl_vit.data.datasets.
 
 Held-out samples. `holdout_fraction=f` (ssl_vit.data.holdout) removes a fixed, hashed share
@@ -58,6 +64,8 @@ corrupt sample is dropped and counted). `with_keys=True` adds the sample keys as
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -65,23 +73,27 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .datasets import EvalStream, TrainStream
+from .datasets import EpochPosition, EvalStream, TrainStream
 from .holdout import excluded_indices, held_out_indices
 from .manifest import Manifest, load_manifest
 from .memory import MemoryTrainLoader, load_training_samples
-from .shards import SkipCounter, select_shards
+from .shards import ReadCounter, select_shards
+from .stream_plan import Exclusions, read_factor
+from .urls import Retry
 from .workers import worker_context
 
 
 class ShardLoader:
-    """Iterates a stream through a torch DataLoader; batches are assembled in the workers."""
+    """Iterates a stream through a torch DataLoader; batches are assembled in the workers,
+    which persist across epochs (one DataLoader for the loader's life)."""
 
     def __init__(self, dataset: IterableDataset, *, manifest: Manifest, split: str, **dl: Any):
         self.dataset, self.manifest, self.split = dataset, manifest, split
         self._dl = dl  # num_workers pin_memory prefetch_factor timeout ctx
+        self._loader: DataLoader | None = None
 
     @property
-    def counter(self) -> SkipCounter:
+    def counter(self) -> ReadCounter:
         return self.dataset.counter
 
     @property
@@ -106,18 +118,23 @@ class ShardLoader:
     def std(self) -> list[float]:
         return self.manifest.std
 
+    def _dataloader(self) -> DataLoader:
+        if self._loader is None:
+            n = self._dl["num_workers"]
+            self._loader = DataLoader(
+                self.dataset,
+                batch_size=None,  # the workers batch
+                num_workers=n,
+                pin_memory=self._dl["pin_memory"],
+                prefetch_factor=self._dl["prefetch_factor"] if n > 0 else None,
+                timeout=self._dl["timeout"] if n > 0 else 0,
+                multiprocessing_context=self._dl["ctx"] if n > 0 else None,
+                persistent_workers=n > 0 and self._dl.get("persistent", False),
+            )
+        return self._loader
+
     def __iter__(self) -> Iterator[tuple]:
-        n = self._dl["num_workers"]
-        loader = DataLoader(
-            self.dataset,
-            batch_size=None,  # the workers batch
-            num_workers=n,
-            pin_memory=self._dl["pin_memory"],
-            prefetch_factor=self._dl["prefetch_factor"] if n > 0 else None,
-            timeout=self._dl["timeout"] if n > 0 else 0,
-            multiprocessing_context=self._dl["ctx"] if n > 0 else None,
-        )
-        for batch in loader:
+        for batch in self._dataloader():
             if batch[0].shape[0] > 0:
                 yield batch
 
@@ -136,20 +153,27 @@ class TrainLoader(ShardLoader):
     @property
     def num_samples(self) -> int:
         """Training samples of the split (held-out ones not counted)."""
-        return sum(r.num_samples for r in self.dataset.shards) - len(self.dataset.exclude)
+        return sum(r.num_samples for r in self.dataset.shards) - len(self.dataset.exclusions.sorted)
 
     @property
     def epoch(self) -> int:
-        return self.dataset.epoch
+        return self.dataset.position.get()[0]
 
     @property
     def skip_batches(self) -> int:
-        return self.dataset.skip_batches
+        return self.dataset.position.get()[1]
+
+    @property
+    def read_factor(self) -> float:
+        """How many times this epoch's plan reads the shard set (ssl_vit.data.stream_plan)."""
+        if self.dataset.resampled:
+            return 1.0
+        return read_factor(self.dataset.shards, self.dataset.plan(self.epoch))
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         if not 0 <= skip_batches <= self.steps_per_epoch:
             raise ValueError(f"skip_batches={skip_batches} outside [0, {self.steps_per_epoch}]")
-        self.dataset.epoch, self.dataset.skip_batches = epoch, skip_batches
+        self.dataset.position.set(epoch, skip_batches)
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.skip_batches
@@ -165,13 +189,28 @@ class EvalLoader(ShardLoader):
         return (self.num_samples + self.dataset.batch - 1) // self.dataset.batch
 
 
+def check_shared_memory(batch_bytes: int, num_workers: int, prefetch_factor: int) -> None:
+    """Refuse, in one line, loader workers whose batches in flight would not fit in /dev/shm
+    (where torch passes them); a container's default of 64 MB is the usual cause."""
+    if num_workers == 0 or not os.path.isdir("/dev/shm"):
+        return
+    need = batch_bytes * (num_workers * prefetch_factor + 1)
+    free = shutil.disk_usage("/dev/shm").free
+    if need > free:
+        raise RuntimeError(
+            f"/dev/shm has {free / 2**20:.0f} MB free but {num_workers} loader workers need "
+            f"about {need / 2**20:.0f} MB for their batches in flight; give the container more "
+            "(docker run --shm-size=16g, or the runtime's equivalent) or lower data.num_workers"
+        )
+
+
 def _common(root: str | Path, split: str, num_workers: int, ctx: str | None, missing: str):
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     manifest = load_manifest(root)
     shards = select_shards(manifest, split, missing)  # type: ignore[arg-type]
     mp_ctx = worker_context(ctx)
-    return manifest, shards, mp_ctx, SkipCounter(mp_ctx)
+    return manifest, shards, mp_ctx, ReadCounter(mp_ctx)
 
 
 def make_train_loader(
@@ -201,6 +240,8 @@ def make_train_loader(
     multiprocessing_context: str | None = None,
     in_memory: bool = False,
     device: torch.device | str | None = None,
+    resampled: bool = False,
+    retry: Retry | None = None,
 ) -> TrainLoader | MemoryTrainLoader:
     """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
     int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
@@ -210,7 +251,10 @@ def make_train_loader(
     `train_fraction` < 1 trains on that hashed share of the rest (ssl_vit.data.holdout).
     Resume with the same seed, world_size and num_workers for an exact continuation.
     `in_memory`: the split decoded once by `num_workers` workers and batched from RAM
-    (ssl_vit.data.memory, same contract), held and augmented on `device` when given (a GPU)."""
+    (ssl_vit.data.memory, same contract), held and augmented on `device` when given (a GPU).
+    `resampled`: shards drawn with replacement (ssl_vit.data.stream_plan); `retry`: how remote
+    reads are retried (ssl_vit.data.urls.Retry); `missing`: a shard that cannot be read stops
+    training ("error") or is counted and passed over ("skip")."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if global_batch < world_size or global_batch % world_size:
@@ -225,8 +269,8 @@ def make_train_loader(
         num_samples = len(images)
     else:
         total = sum(r.num_samples for r in shards)
-        exclude = frozenset(excluded_indices(total, holdout_fraction, train_fraction).tolist())
-        num_samples = total - len(exclude)
+        exclusions = Exclusions(excluded_indices(total, holdout_fraction, train_fraction).tolist())
+        num_samples = total - len(exclusions.sorted)
     steps = num_samples // global_batch
     if steps == 0:
         raise ValueError(
@@ -245,15 +289,19 @@ def make_train_loader(
     dataset = TrainStream(
         shards, channels=manifest.channels, labelled=manifest.class_names is not None,
         rank=rank, world_size=world_size, workers=max(1, num_workers),
-        batch=global_batch // world_size, steps=steps, seed=seed, epoch=epoch, skip_batches=0,
-        img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip, translate=translate,
-        shuffle_buffer=shuffle_buffer, shuffle_initial=shuffle_initial, counter=counter,
-        exclude=exclude, exclude_sorted=tuple(sorted(exclude)),
+        batch=global_batch // world_size, steps=steps, seed=seed,
+        position=EpochPosition(ctx, epoch, 0), img_size=img_size, augment=augment,
+        scale=tuple(scale), hflip=hflip, translate=translate, shuffle_buffer=shuffle_buffer,
+        shuffle_initial=shuffle_initial, counter=counter, exclusions=exclusions,
+        resampled=resampled, retry=retry or Retry(), missing=missing,
     )  # fmt: skip
+    check_shared_memory(
+        dataset.batch * manifest.channels * img_size**2, num_workers, prefetch_factor
+    )
     loader = TrainLoader(
         dataset, manifest=manifest, split=split, num_workers=num_workers,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx,
+        prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx, persistent=True,
     )  # fmt: skip
     loader.set_epoch(epoch, skip_batches)
     return loader
@@ -275,6 +323,7 @@ def make_eval_loader(
     prefetch_factor: int = 2,
     timeout: float = 0,
     multiprocessing_context: str | None = None,
+    retry: Retry | None = None,
 ) -> EvalLoader:
     """Every sample of the split exactly once, in manifest order, centre-resized to img_size;
     with world_size > 1, rank r gets the r-th contiguous part. With `holdout_fraction`, only the
@@ -300,6 +349,7 @@ def make_eval_loader(
         shards, channels=manifest.channels, labelled=manifest.class_names is not None,
         lo=n * rank // world_size, hi=n * (rank + 1) // world_size, batch=batch_size,
         img_size=img_size, with_keys=with_keys, counter=counter, subset=subset,
+        retry=retry or Retry(), missing=missing,
     )  # fmt: skip
     return EvalLoader(
         dataset, manifest=manifest, split=split, num_workers=num_workers,

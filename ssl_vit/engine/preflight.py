@@ -49,9 +49,47 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
             f"samples of split {cfg.data.split!r}; lower the batch"
             + (f" or raise data.train_fraction={fraction}" if fraction < 1 else "")
         )
+    check_read_plan(cfg, manifest, world, steps_per_epoch)
     check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
     return manifest, steps_per_epoch, total_steps
+
+
+def check_read_plan(cfg: Config, manifest: Manifest, world: int, steps: int) -> None:
+    """Refuse a streamed epoch that would read the shard set more than MAX_READ_FACTOR times:
+    streams that must read shard heads to drop them (a pipe, or remote shards without the
+    offset index) when there are not many more shards than streams (ssl_vit.data.stream_plan)."""
+    from ssl_vit.data.holdout import excluded_indices  # imported late: numpy, torch
+    from ssl_vit.data.memory import resolve_in_memory
+    from ssl_vit.data.shards import select_shards
+    from ssl_vit.data.stream_plan import (
+        MAX_READ_FACTOR,
+        Exclusions,
+        exact_pieces,
+        read_factor,
+        stream_quota,
+    )
+
+    d = cfg.data
+    if d.resampled or resolve_in_memory(d.in_memory, manifest, d.split)[0]:
+        return
+    shards = select_shards(manifest, d.split, d.missing_shards)  # type: ignore[arg-type]
+    total = sum(r.num_samples for r in shards)
+    exclusions = Exclusions(excluded_indices(total, holdout_fraction(cfg), d.train_fraction))
+    workers = max(1, d.num_workers)
+    batch = cfg.train.global_batch // world
+    quotas = [stream_quota(steps, batch, workers, role) for role in range(workers)] * world
+    plans = exact_pieces(shards, quotas, exclusions, seed=cfg.run.seed, epoch=0)
+    factor = read_factor(shards, plans)
+    if factor > MAX_READ_FACTOR:
+        streams = world * workers
+        raise ConfigError(
+            f"{d.root}: each epoch would read the shard set {factor:.2f} times: {streams} loader "
+            f"streams ({world} ranks x {workers} workers) start inside {len(shards)} shards "
+            "that cannot be entered without reading their heads (a pipe, or no offset index); "
+            f"re-shard with data_prep/make_shards.py --num-shards {20 * streams} (which also "
+            "writes the index), or set data.resampled=true"
+        )
 
 
 def check_model(cfg: Config, in_chans: int) -> None:

@@ -33,6 +33,7 @@ from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, s
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
 from ssl_vit.data.stream import TrainLoader, make_train_loader
+from ssl_vit.data.urls import Retry
 from ssl_vit.data.workers import IN_TRAINING_START
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
@@ -175,6 +176,8 @@ def _setup(cfg: Config, header: str) -> _Setup:
         world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
         seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
         hflip=cfg.data.hflip, translate=cfg.data.translate, missing=cfg.data.missing_shards,
+        resampled=cfg.data.resampled,
+        retry=Retry(cfg.data.read_retries, timeout=cfg.data.read_timeout),
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
         train_fraction=cfg.data.train_fraction,
         in_memory=in_ram, multiprocessing_context=IN_TRAINING_START,
@@ -239,6 +242,10 @@ class _StepLog:
             "nonfinite_steps": n.nonfinite_total,
             "skipped_steps": n.skipped_total,
             "skipped_samples": s.loader.num_skipped,
+            # this rank's reads: shards lost or retried, bytes read (ssl_vit.data.shards)
+            "data/shard_errors": s.loader.counter.shard_errors,
+            "data/read_retries": s.loader.counter.retries,
+            "data/gbytes_read": s.loader.counter.bytes_read / 1e9,
         }
         row = self.window.flush(extra, s.flops_per_step, self.peak, s.world)
         if s.rank == 0:

@@ -10,11 +10,11 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ssl_vit import startup
 from ssl_vit.data.manifest import ManifestError, load_manifest
+from ssl_vit.data.urls import normalise_root
 from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR, POOLS
 from ssl_vit.evaluation.report import format_table, log_to_mlflow, pretrain_run_id, write_results
 from ssl_vit.logs import setup_logging, wants_verbose
@@ -41,7 +41,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--raw-pixels", action="store_true", help="baseline: the normalised pixels as features"
     )
-    p.add_argument("--data", required=True, help="shard set folder (with manifest.json)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="shard set: a folder or URL holding manifest.json (http(s), s3, gs, file, pipe:)",
+    )
     p.add_argument("--train-split", default="train", help="gallery / fitting split")
     p.add_argument("--test-split", default="test", help="evaluation split")
     p.add_argument(
@@ -213,7 +217,7 @@ def report(
         "backbone": bb.source,
         "backbone_id": bb.ident,
         "arch": bb.meta.get("arch"),
-        "data": str(Path(args.data).resolve()),
+        "data": normalise_root(args.data),
         "train_split": args.train_split,
         "test_split": args.test_split,
         "pool": args.pool if args.pool != "lastn" else f"lastn{args.n_last}",

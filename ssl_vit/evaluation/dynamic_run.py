@@ -24,6 +24,7 @@ import torch
 from ssl_vit import startup
 from ssl_vit.data.manifest import load_manifest
 from ssl_vit.data.stream import make_eval_loader
+from ssl_vit.data.urls import normalise_root
 from ssl_vit.evaluation import dynamic
 from ssl_vit.evaluation.report import (
     format_table,
@@ -176,7 +177,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "eval": "dynamic_vit",
         "params": {
             "backbone": resolved.uri or str(resolved.path),
-            "data": str(Path(args.data).resolve()),
+            "data": normalise_root(args.data),
             "sizes": cascade.sizes,
             "feature_reuse": cascade.feature_reuse,
             "relation_reuse": cascade.relation_reuse,
@@ -206,7 +207,7 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     out = Path(args.out)
     png = plot(results["budgets"], results["singles"], results["matched"],
                out / "accuracy_vs_gflops.png", f"Dynamic ViT {results['params']['sizes']} on "
-               f"{Path(args.data).name}")  # fmt: skip
+               f"{normalise_root(args.data).rstrip('/').rsplit('/', 1)[-1]}")  # fmt: skip
     rows = {**results["metrics"]}
     for i, p in enumerate(results["budgets"]):
         rows[f"budget{i}_gflops"] = p["gflops"]

@@ -1,0 +1,145 @@
+"""Which samples each loader stream reads in an epoch, and how much of the data that reads.
+
+A *stream* is one DataLoader worker of one rank: P = world_size x workers of them, numbered
+rank * workers + role. Every rank runs the same number of batches per epoch (so no rank waits
+for a collective that never comes); worker `role` of a rank makes batches role, role + W, ...,
+so a stream's *quota* is its batch size times the batches it makes.
+
+Exact epochs (data.resampled=false, the default). The epoch's shards are shuffled (by seed and
+epoch) and laid end to end; stream 0 takes the first q_0 training samples of that order, stream 1
+the next q_1, and so on. Every training sample is read by exactly one stream per epoch, whatever
+P is, more streams than shards included: a stream that starts inside a shard seeks there through
+the manifest's offset index (ssl_vit.data.shards). The samples past the last full global batch
+(fewer than one global batch) are left out of that epoch; the shuffle makes them others the next.
+
+Resampled epochs (data.resampled=true). Each stream draws whole shards uniformly with
+replacement (seeded by seed, epoch and stream) and reads them until its quota: webdataset's
+`ResampledShards` scheme. An epoch is then a sample count; a sample may come twice in one epoch
+and another not at all. It suits elastic world sizes and sets with few shards read over a
+network without an offset index, where exact epochs would read shard heads twice.
+
+`read_factor` says how many times an epoch's plan reads the shard set (1.0: each byte once),
+counting the samples a stream must read and drop to reach its start: none for local files (the
+tar headers are walked, the data seeked past), at most index_every - 1 for indexed remote
+shards, the whole head for a pipe or a remote shard without an index. The trainer's preflight
+refuses a plan above MAX_READ_FACTOR and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .augment import mix_seed
+from .shards import ShardRef
+from .urls import is_pipe, local_path
+
+MAX_READ_FACTOR = 1.05  # reads of the shard set per epoch the preflight accepts
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Samples start..stop-1 (positions within the shard) of shard `ref`."""
+
+    ref: ShardRef
+    start: int
+    stop: int
+
+
+def stream_quota(steps: int, batch: int, workers: int, role: int) -> int:
+    """Samples that worker `role` of a rank delivers in an epoch of `steps` batches."""
+    return batch * ((steps - role + workers - 1) // workers)
+
+
+class Exclusions:
+    """Manifest indices no stream yields (the held-out part, the unused share of labels)."""
+
+    def __init__(self, excluded: Sequence[int]) -> None:
+        self.sorted = tuple(sorted(excluded))
+        self.set = frozenset(self.sorted)
+
+    def in_shard(self, ref: ShardRef) -> int:
+        ex = self.sorted
+        hi = bisect.bisect_left(ex, ref.offset + ref.num_samples)
+        return hi - bisect.bisect_left(ex, ref.offset)
+
+    def kept(self, ref: ShardRef) -> int:
+        return ref.num_samples - self.in_shard(ref)
+
+    def position(self, ref: ShardRef, k: int) -> int:
+        """Position in the shard of its k-th kept sample (0-based)."""
+        ex = self.sorted
+        lo, hi = k, k + self.in_shard(ref)  # the answer p has k kept samples before it
+        while lo < hi:  # smallest p with kept(0..p) == k + 1
+            mid = (lo + hi) // 2
+            excluded = bisect.bisect_right(ex, ref.offset + mid) - bisect.bisect_left(
+                ex, ref.offset
+            )
+            if mid + 1 - excluded >= k + 1:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+def epoch_order(shards: Sequence[ShardRef], seed: int, epoch: int) -> list[ShardRef]:
+    order = list(shards)
+    random.Random(mix_seed(seed, epoch, 0x5EED)).shuffle(order)
+    return order
+
+
+def exact_pieces(
+    shards: Sequence[ShardRef],
+    quotas: Sequence[int],
+    exclusions: Exclusions,
+    *,
+    seed: int,
+    epoch: int,
+) -> list[list[Piece]]:
+    """Each stream's pieces: consecutive runs of the epoch's shard order (module doc)."""
+    order = epoch_order(shards, seed, epoch)
+    plans: list[list[Piece]] = []
+    i, used = 0, 0  # the shard being dealt, and its kept samples already given out
+    for quota in quotas:
+        pieces: list[Piece] = []
+        while quota > 0:
+            ref = order[i]
+            take = min(quota, exclusions.kept(ref) - used)
+            if take > 0:
+                start = exclusions.position(ref, used)
+                stop = exclusions.position(ref, used + take - 1) + 1
+                pieces.append(Piece(ref, start, stop))
+                used, quota = used + take, quota - take
+            if quota > 0:
+                i, used = i + 1, 0
+        plans.append(pieces)
+    return plans
+
+
+def resampled_pieces(
+    shards: Sequence[ShardRef], *, seed: int, epoch: int, stream: int
+) -> Iterator[Piece]:
+    """Whole shards drawn with replacement, for ever (the stream stops at its quota)."""
+    rng = random.Random(mix_seed(seed, epoch, stream, 0x2E5A))
+    while True:
+        ref = shards[rng.randrange(len(shards))]
+        yield Piece(ref, 0, ref.num_samples)
+
+
+def read_start(piece: Piece) -> int:
+    """The position a reader of `piece` starts reading bytes at (module doc)."""
+    if local_path(piece.ref.url) is not None:
+        return piece.start
+    if piece.ref.every and piece.ref.offsets and not is_pipe(piece.ref.url):
+        anchor = min(piece.start // piece.ref.every, len(piece.ref.offsets) - 1)
+        return anchor * piece.ref.every
+    return 0
+
+
+def read_factor(shards: Sequence[ShardRef], plans: Sequence[Sequence[Piece]]) -> float:
+    """Samples read (delivered or read to be dropped) over the samples of the set."""
+    total = sum(r.num_samples for r in shards)
+    read = sum(p.stop - read_start(p) for pieces in plans for p in pieces)
+    return read / max(1, total)

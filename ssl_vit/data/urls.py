@@ -1,0 +1,141 @@
+"""Where a shard set lives, and how its files are opened: a local folder or any URL.
+
+`data.root`, every evaluation's `--data` and `verify_shards.py` take any of:
+
+    shards/fashion-mnist                        a folder (or file:///abs/path/shards/fashion-mnist)
+    https://data.example.org/shards/imagenet    a web server that answers ranged GETs
+    s3://bucket/shards/imagenet                 object storage through fsspec (pip install s3fs,
+    gs://bucket/shards/imagenet                 or gcsfs; credentials as those libraries read them)
+    'pipe:aws s3 cp s3://bucket/imagenet/{} -'  webdataset's pipe form: a command that writes the
+                                                file named by {} to its standard output
+
+A file of the set is its name joined onto the root (put in place of `{}` for a pipe). Remote
+files are opened through fsspec, whose files seek with ranged requests: a reader that starts in
+the middle of a shard (the manifest's offset index) fetches only what it reads. Pipes are opened
+by webdataset's `gopen` and read from their start; a reader skips what it does not need.
+
+Transient failures (a reset connection, a body cut short, a timeout, a 5xx answer) are retried
+with exponential backoff by `Retry`; a file that does not exist (404, no such key) is not.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TypeVar
+
+T = TypeVar("T")
+PIPE = "pipe:"
+_REMOTE_BLOCK = 8 << 20  # bytes fetched per ranged request: large enough to stream a shard
+
+
+def is_pipe(url: str) -> bool:
+    return str(url).startswith(PIPE)
+
+
+def local_path(url: str | os.PathLike) -> Path | None:
+    """The local path a root or file URL names, or None for a remote one or a pipe."""
+    text = os.fspath(url)
+    if text.startswith("file://"):
+        return Path(text[len("file://") :])
+    if "://" in text or is_pipe(text):
+        return None
+    return Path(text)
+
+
+def normalise_root(root: str | os.PathLike) -> str:
+    """A root as readers store it: an absolute local path, or the URL without a trailing '/'."""
+    path = local_path(root)
+    if path is not None:
+        return str(path.resolve())
+    return os.fspath(root) if is_pipe(os.fspath(root)) else os.fspath(root).rstrip("/")
+
+
+def join(root: str, name: str) -> str:
+    """The URL of file `name` of the set at `root`."""
+    if is_pipe(root):
+        if "{}" not in root:
+            raise ValueError(f"{root!r}: a pipe root needs '{{}}' where the file name goes")
+        return root.replace("{}", name)
+    path = local_path(root)
+    return str(path / name) if path is not None else f"{root.rstrip('/')}/{name}"
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How often and how patiently a failed read is tried again (remote files only)."""
+
+    attempts: int = 5  # tries in all, the first included
+    backoff: float = 1.0  # seconds before the second try, doubled for each later one
+    timeout: float = 60.0  # seconds a remote read may stall before it counts as failed
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """fn(), tried again after transient errors; the last error is raised as it was."""
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except Exception as e:
+                if is_missing(e) or attempt + 1 >= self.attempts:
+                    raise
+                time.sleep(self.backoff * 2**attempt)
+        raise AssertionError("unreachable")
+
+
+def is_missing(error: BaseException) -> bool:
+    """An error that another try will not change: the file does not exist or is forbidden."""
+    return isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError))
+
+
+def _fsspec_open(url: str, timeout: float):
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    options: dict = {"block_size": _REMOTE_BLOCK}
+    if protocol in ("http", "https"):
+        import aiohttp
+
+        # total=None: a shard may take long to stream; a stall of `timeout` seconds fails it.
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+        options["client_kwargs"] = {"timeout": limits}
+    return fsspec.open(url, "rb", **options).open()
+
+
+def open_url(url: str, start: int = 0, *, timeout: float = Retry.timeout) -> tuple[IO[bytes], int]:
+    """(binary file, the byte offset it is at): at `start` where the source can seek (a local
+    file, http(s), s3, gs), at 0 for a pipe (the caller reads up to `start` itself)."""
+    path = local_path(url)
+    if path is not None:
+        f = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 (the caller closes it)
+        f.seek(start)
+        return f, start
+    if is_pipe(url):
+        from webdataset.gopen import gopen
+
+        return gopen(url, "rb"), 0
+    f = _fsspec_open(url, timeout)
+    if start:
+        f.seek(start)
+    return f, start
+
+
+def read_bytes(url: str, retry: Retry | None = None) -> bytes:
+    """The whole file at `url` (a manifest, say), retried like shard reads."""
+
+    def read() -> bytes:
+        f, _ = open_url(url, timeout=(retry or Retry()).timeout)
+        with f:
+            return f.read()
+
+    path = local_path(url)
+    if path is not None:
+        return path.read_bytes()
+    return (retry or Retry()).call(read, url)
+
+
+def exists(url: str) -> bool | None:
+    """Whether a file exists: answered for local files; None (unknown until read) otherwise."""
+    path = local_path(url)
+    return path.is_file() if path is not None else None
