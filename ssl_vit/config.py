@@ -69,6 +69,10 @@ class DataConfig:
     # with replacement, an epoch being a sample count (elastic runs, few or unindexed remote
     # shards). ssl_vit.data.stream_plan.
     resampled: bool = False
+    # Where training JPEGs are decoded, cropped and flipped: "gpu" (the whole batch at once on
+    # the training GPU; workers only read and draw the boxes), "cpu" (in the loader workers), or
+    # "auto": gpu when training on CUDA from streamed shards without data.translate.
+    decode: str = "auto"
     read_retries: int = 5  # tries of a failed remote read, with backoff from 1 s, doubling
     read_timeout: float = 60.0  # seconds a remote read may stall before it counts as failed
     # Hashed share of `split` kept out of training to choose on (ssl_vit.data.holdout).
@@ -232,6 +236,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "train.zero_stage": (0, 1, 2, 3),  # DeepSpeed's ZeRO stages
     "data.in_memory": (True, False, "auto"),
     "data.missing_shards": ("error", "skip"),
+    "data.decode": ("auto", "cpu", "gpu"),
 }
 
 

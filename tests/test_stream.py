@@ -362,3 +362,53 @@ def test_shared_memory_too_small_is_one_line() -> None:
     check_shared_memory(1 << 20, 2, 2)
     with pytest.raises(RuntimeError, match=r"/dev/shm has \d+ MB free .*--shm-size"):
         check_shared_memory(1 << 50, 8, 2)
+
+
+def _jpeg(value: int, size: tuple[int, int]) -> bytes:
+    """A smooth, photo-like RGB JPEG (gradients and a disc), different for each value."""
+    h, w = size
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    r = np.hypot(y - h * (0.3 + value % 5 / 10), x - w / 2) < min(h, w) / 4
+    arr = np.stack([x / w * 255, y / h * 255, np.where(r, 200.0, 40.0 + value)], axis=-1)
+    buf = io.BytesIO()
+    Image.fromarray(arr.clip(0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_gpu_decode_path_matches_the_cpu_path(tmp_path: Path) -> None:
+    """data.decode=gpu run on the CPU: the same samples, crops and flips as the worker path,
+    pixels within resampling tolerance; a PNG among the JPEGs takes the worker path, and a
+    JPEG whose body is broken is decoded in the main process or counted and replaced."""
+    root = tmp_path / "jpg"
+    root.mkdir()
+    sizes = [(48, 64), (64, 48), (56, 56)]
+    with wds.TarWriter(str(root / "train-000000.tar")) as w:
+        for i in range(24):
+            sample = {"__key__": f"s{i:06d}", "cls": str(i).encode()}
+            if i == 5:
+                sample["png"] = _png(i, 3, 40)
+            elif i == 9:  # a valid header, a broken body
+                sample["jpg"] = _jpeg(i, (48, 64))[:400]
+            else:
+                sample["jpg"] = _jpeg(i, sizes[i % 3])
+            w.write(sample)
+    info = ShardInfo("train-000000.tar", 24, (root / "train-000000.tar").stat().st_size, "0" * 64)
+    write_manifest(root, Manifest(splits={"train": SplitInfo(24, [info])}, channels=3,
+                                  class_names=[str(k) for k in range(24)], image_size=None,
+                                  mean=[0.5] * 3, std=[0.25] * 3))  # fmt: skip
+    kw = dict(global_batch=8, img_size=32, num_workers=2, timeout=TIMEOUT)
+    cpu = _epoch(make_train_loader(root, "train", **kw))
+    loader = make_train_loader(root, "train", decode="gpu", device="cpu", **kw)
+    gpu = _epoch(loader)
+    assert loader.num_skipped == 1 and 9 not in torch.cat(gpu[1]).tolist()
+    compared = 0
+    for a, b, la, lb in zip(cpu[0], gpu[0], cpu[1], gpu[1], strict=True):
+        assert a.shape == b.shape == (8, 3, 32, 32) and b.dtype == torch.uint8
+        if la.tolist() != lb.tolist():  # the batch that held the broken JPEG: filled apart
+            continue
+        diff = (a.float() - b.float()).abs().mean(dim=(1, 2, 3))
+        assert (diff < 1.0).all(), diff
+        compared += 1
+    assert compared == 2
+    with pytest.raises(ValueError, match="needs a device"):
+        make_train_loader(root, "train", decode="gpu", **kw)

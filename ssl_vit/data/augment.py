@@ -101,14 +101,27 @@ def decode_with_pil(data: bytes, channels: int) -> np.ndarray:  # (H, W) or (H, 
 def decode_sample(sample: dict, *, channels: int, labelled: bool) -> tuple[np.ndarray, int]:
     """Decode a raw webdataset sample dict to ((H, W) or (H, W, 3) uint8 pixels, label); raise
     CorruptSample saying what is wrong."""
-    key = sample.get("__key__", "?")
-    data = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
-    if data is None:
-        raise CorruptSample(f"{key}: no image ({'/'.join(IMAGE_EXTS)}) in the sample")
+    data = sample_image(sample)
     try:
         img = _decode_image(data, channels)
     except Exception as e:  # PIL and libpng raise many types for bad data
+        key = sample.get("__key__", "?")
         raise CorruptSample(f"{key}: undecodable image ({type(e).__name__}: {e})") from None
+    return img, sample_label(sample, labelled=labelled)
+
+
+def sample_image(sample: dict) -> bytes:
+    """The encoded image of a raw sample; CorruptSample when it has none."""
+    data = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
+    if data is None:
+        key = sample.get("__key__", "?")
+        raise CorruptSample(f"{key}: no image ({'/'.join(IMAGE_EXTS)}) in the sample")
+    return data
+
+
+def sample_label(sample: dict, *, labelled: bool) -> int:
+    """The sample's integer label (-1 in an unlabelled set); CorruptSample when it is bad."""
+    key = sample.get("__key__", "?")
     if "cls" in sample:
         try:
             label = int(sample["cls"].decode("ascii").strip())
@@ -118,7 +131,7 @@ def decode_sample(sample: dict, *, channels: int, labelled: bool) -> tuple[np.nd
         raise CorruptSample(f"{key}: no .cls in a labelled shard set")
     else:
         label = -1
-    return img, label
+    return label
 
 
 def crop_params(
@@ -149,7 +162,7 @@ def crop_params(
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def _resize(img: np.ndarray, size: int, box: tuple[int, int, int, int]) -> np.ndarray:
+def crop_resize(img: np.ndarray, size: int, box: tuple[int, int, int, int]) -> np.ndarray:
     """The (top, left, h, w) box of `img` resized to size x size (PIL bilinear, antialiased);
     the image itself when the box is all of it at that size already."""
     top, left, h, w = box
@@ -177,7 +190,7 @@ def train_transform(
         box = (0, 0, height, width)  # the only box of the whole area: no draws needed
     else:
         box = crop_params(height, width, rng, scale, ratio)
-    out = _resize(img, size, box)
+    out = crop_resize(img, size, box)
     if translate:  # no draw without it: the crop and flip draws stay what they were
         out = shift_image(out, *shift_params(rng, translate))
     if hflip and rng.random() < 0.5:
@@ -208,7 +221,7 @@ def eval_transform(img: np.ndarray, size: int) -> np.ndarray:  # (size, size[, 3
     """Resize the shorter side to `size` and centre-crop a square; a no-op at the right size."""
     h, w = img.shape[:2]
     side = min(h, w)  # the central square, resized: same as resize-shorter + centre crop
-    return _resize(img, size, ((h - side) // 2, (w - side) // 2, side, side))
+    return crop_resize(img, size, ((h - side) // 2, (w - side) // 2, side, side))
 
 
 def to_batch(arrays: list[np.ndarray]) -> torch.Tensor:  # (B, C, H, W) uint8

@@ -20,9 +20,12 @@ from .augment import (
     decode_sample,
     eval_transform,
     mix_seed,
+    sample_image,
+    sample_label,
     to_batch,
     train_transform,
 )
+from .device_decode import crop_box_for, jpeg_size
 from .shards import ReadCounter, ShardRef, read_shard, report_skip
 from .stream_plan import Exclusions, Piece, exact_pieces, resampled_pieces, stream_quota
 from .urls import Retry
@@ -76,6 +79,9 @@ class TrainStream(IterableDataset):
     resampled: bool = False  # shards drawn with replacement (ssl_vit.data.stream_plan)
     retry: Retry = field(default_factory=Retry)
     missing: str = "error"
+    # JPEGs leave as bytes + crop box + flip for the main process to decode on the GPU
+    # (ssl_vit.data.device_decode); other images are decoded here as always.
+    device_decode: bool = False
 
     def quotas(self) -> list[int]:
         """Samples per stream this epoch, streams in order (rank-major)."""
@@ -139,7 +145,7 @@ class TrainStream(IterableDataset):
             next(src)
             pos += 1
         for _ in range(n_total - n_skip):
-            imgs: list[np.ndarray] = []
+            imgs: list = []  # uint8 arrays, or (JPEG bytes, box, flip) for the device
             labels: list[int] = []
             for _chunk in range(100):
                 # One generator per chunk, seeded by its first position: a resume that skips
@@ -149,14 +155,12 @@ class TrainStream(IterableDataset):
                     sample = next(src)
                     pos += 1
                     try:
-                        img, label = decode_sample(
-                            sample, channels=self.channels, labelled=self.labelled
-                        )
+                        img, label = self._prepare(sample, aug_rng)
                     except CorruptSample as e:
                         self.counter.add(samples=1)
                         report_skip(f"{sample.get('__url__')}: {e}")
                         continue
-                    imgs.append(self._transform(img, aug_rng))
+                    imgs.append(img)
                     labels.append(label)
                 if imgs:
                     break
@@ -165,7 +169,40 @@ class TrainStream(IterableDataset):
             for i in range(self.batch - len(imgs)):  # fill corrupt places from the same batch
                 imgs.append(imgs[i])
                 labels.append(labels[i])
-            yield to_batch(imgs), torch.tensor(labels, dtype=torch.int64)
+            targets = torch.tensor(labels, dtype=torch.int64)
+            yield (
+                (to_batch(imgs), targets) if not self.device_decode else self._split(imgs, targets)
+            )
+
+    def _prepare(self, sample: dict, rng: random.Random) -> tuple[Any, int]:
+        """(augmented uint8 pixels, or (JPEG bytes, box, flip) for the device; label)."""
+        if self.device_decode:
+            data = sample_image(sample)
+            size = jpeg_size(data)
+            if size is not None:
+                label = sample_label(sample, labelled=self.labelled)
+                box, flip = crop_box_for(*size, rng, augment=self.augment, scale=self.scale,
+                                         hflip=self.hflip)  # fmt: skip
+                return (torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip), label
+        img, label = decode_sample(sample, channels=self.channels, labelled=self.labelled)
+        return self._transform(img, rng), label
+
+    def _split(self, entries: list, labels: torch.Tensor) -> tuple:
+        """A device batch: (JPEG bytes [J], boxes (J, 4), flips (J,), their batch positions (J,),
+        the other images decoded here (B - J, C, S, S) uint8, labels (B,))."""
+        jpeg = [i for i, e in enumerate(entries) if isinstance(e, tuple)]
+        pixels = [e for e in entries if not isinstance(e, tuple)]
+        S = self.img_size
+        return (
+            [entries[i][0] for i in jpeg],
+            torch.tensor([entries[i][1] for i in jpeg], dtype=torch.int64).view(-1, 4),
+            torch.tensor([entries[i][2] for i in jpeg], dtype=torch.bool),
+            torch.tensor(jpeg, dtype=torch.int64),
+            to_batch(pixels)
+            if pixels
+            else torch.empty((0, self.channels, S, S), dtype=torch.uint8),
+            labels,
+        )
 
     def _transform(self, img: np.ndarray, rng: random.Random) -> np.ndarray:
         if not self.augment:

@@ -73,11 +73,13 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from .augment import crop_resize, decode_with_pil, to_batch
 from .datasets import EpochPosition, EvalStream, TrainStream
+from .device_decode import DeviceDecodeError, decode_crop_batch
 from .holdout import excluded_indices, held_out_indices
 from .manifest import Manifest, load_manifest
 from .memory import MemoryTrainLoader, load_training_samples
-from .shards import ReadCounter, select_shards
+from .shards import ReadCounter, report_skip, select_shards
 from .stream_plan import Exclusions, read_factor
 from .urls import Retry
 from .workers import worker_context
@@ -178,6 +180,53 @@ class TrainLoader(ShardLoader):
     def __len__(self) -> int:
         return self.steps_per_epoch - self.skip_batches
 
+    def __iter__(self) -> Iterator[tuple]:
+        if not self.dataset.device_decode:
+            yield from super().__iter__()
+            return
+        for batch in self._dataloader():
+            yield self._on_device(*batch)
+
+    def _on_device(self, encoded, boxes, flips, where, pixels, labels) -> tuple:
+        """(images (B, C, S, S) uint8 on the device, labels): the workers' JPEGs decoded,
+        cropped and flipped there (ssl_vit.data.device_decode), beside the images they decoded."""
+        d = self.dataset
+        device = self._dl["device"]
+        images = torch.empty((len(labels), d.channels, d.img_size, d.img_size),
+                             dtype=torch.uint8, device=device)  # fmt: skip
+        other = torch.ones(len(labels), dtype=torch.bool)
+        other[where] = False
+        images[other.to(device)] = pixels.to(device, non_blocking=True)
+        todo, lost = list(range(len(encoded))), []
+        while todo:  # a JPEG that will not decode there is decoded here, or is lost
+            try:
+                out = decode_crop_batch([encoded[i] for i in todo], boxes[todo], flips[todo],
+                                        d.img_size, d.channels, device)  # fmt: skip
+                images[where[todo].to(device)] = out
+                break
+            except DeviceDecodeError as e:
+                bad = todo.pop(e.position)
+                img = self._on_cpu(encoded[bad], boxes[bad], flips[bad])
+                if img is None:
+                    lost.append(int(where[bad]))
+                else:
+                    images[int(where[bad])] = img.to(device)
+        if lost:  # as the workers do with a corrupt sample: a good one of the batch instead
+            good = next(i for i in range(len(labels)) if i not in lost)
+            images[lost], labels[lost] = images[good].clone(), labels[good].clone()
+        return images, labels.to(device, non_blocking=True)
+
+    def _on_cpu(self, data, box, flip) -> torch.Tensor | None:
+        d = self.dataset
+        try:
+            img = decode_with_pil(data.numpy().tobytes(), d.channels)
+            img = crop_resize(img, d.img_size, tuple(box.tolist()))
+            return to_batch([img[:, ::-1] if flip else img])[0]
+        except Exception as e:  # undecodable here too: a corrupt sample, counted
+            d.counter.add(samples=1)
+            report_skip(f"a JPEG of the batch: {type(e).__name__}: {e}")
+            return None
+
 
 class EvalLoader(ShardLoader):
     @property
@@ -242,6 +291,7 @@ def make_train_loader(
     device: torch.device | str | None = None,
     resampled: bool = False,
     retry: Retry | None = None,
+    decode: Literal["cpu", "gpu"] = "cpu",
 ) -> TrainLoader | MemoryTrainLoader:
     """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
     int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
@@ -252,6 +302,8 @@ def make_train_loader(
     Resume with the same seed, world_size and num_workers for an exact continuation.
     `in_memory`: the split decoded once by `num_workers` workers and batched from RAM
     (ssl_vit.data.memory, same contract), held and augmented on `device` when given (a GPU).
+    `decode="gpu"`: JPEGs decoded, cropped and flipped on `device` in the main process
+    (ssl_vit.data.device_decode), other images in the workers as always.
     `resampled`: shards drawn with replacement (ssl_vit.data.stream_plan); `retry`: how remote
     reads are retried (ssl_vit.data.urls.Retry); `missing`: a shard that cannot be read stops
     training ("error") or is counted and passed over ("skip")."""
@@ -294,7 +346,10 @@ def make_train_loader(
         scale=tuple(scale), hflip=hflip, translate=translate, shuffle_buffer=shuffle_buffer,
         shuffle_initial=shuffle_initial, counter=counter, exclusions=exclusions,
         resampled=resampled, retry=retry or Retry(), missing=missing,
+        device_decode=decode == "gpu",
     )  # fmt: skip
+    if decode == "gpu" and (device is None or translate):
+        raise ValueError("decode='gpu' needs a device, and translate=0 (a CPU-path shift)")
     check_shared_memory(
         dataset.batch * manifest.channels * img_size**2, num_workers, prefetch_factor
     )
@@ -302,6 +357,7 @@ def make_train_loader(
         dataset, manifest=manifest, split=split, num_workers=num_workers,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
         prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx, persistent=True,
+        device=device,
     )  # fmt: skip
     loader.set_epoch(epoch, skip_batches)
     return loader

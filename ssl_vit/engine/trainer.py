@@ -171,17 +171,23 @@ def _setup(cfg: Config, header: str) -> _Setup:
     in_ram, why_ram = resolve_in_memory(cfg.data.in_memory, manifest, cfg.data.split)
     if rank == 0:
         log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
+    decode = cfg.data.decode
+    if decode == "auto":
+        decode = "gpu" if device.type == "cuda" and not cfg.data.translate else "cpu"
+    if rank == 0 and not in_ram:
+        log.info("training images decoded on the %s (data.decode=%s)", decode, cfg.data.decode)
     loader = make_train_loader(
         cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
         world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
         seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
         hflip=cfg.data.hflip, translate=cfg.data.translate, missing=cfg.data.missing_shards,
-        resampled=cfg.data.resampled,
+        resampled=cfg.data.resampled, decode=decode,
         retry=Retry(cfg.data.read_retries, timeout=cfg.data.read_timeout),
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
         train_fraction=cfg.data.train_fraction,
         in_memory=in_ram, multiprocessing_context=IN_TRAINING_START,
-        device=device if device.type == "cuda" else None,  # batches made on the GPU
+        # batches made on the GPU; decode=gpu on a CPU runs the same code there (tests)
+        device=device if device.type == "cuda" or decode == "gpu" else None,
     )  # fmt: skip
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * loader.steps_per_epoch)
     flops = 0.0
