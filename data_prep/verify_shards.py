@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from ssl_vit.data.shard_verify import verify_shard_set
 
@@ -17,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
         "and size), and errors.jsonl against num_skipped. Prints a summary; exits 1 on any "
         "mismatch.",
     )
-    p.add_argument("root", type=Path, help="the shard folder (holding manifest.json)")
+    p.add_argument("root", help="the shard set: a folder or URL holding manifest.json "
+                   "(http(s)://, s3://, gs://, file://, 'pipe:CMD {}')")  # fmt: skip
     p.add_argument("--no-decode", action="store_true", help="skip decoding a sample per shard")
     a = p.parse_args(argv)
     report = verify_shard_set(a.root, decode=not a.no_decode)

@@ -3,9 +3,12 @@ index, a decoded sample."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import tarfile
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from PIL import Image
 
 from ssl_vit.data.manifest import ERRORS_NAME, Manifest, ManifestError, ShardInfo, load_manifest
 from ssl_vit.data.tar_reader import sample_offsets
+from ssl_vit.data.urls import join, local_path, read_bytes
 from ssl_vit.io import sha256_file
 
 _IMAGE_EXTS = ("png", "jpg", "webp")
@@ -68,6 +72,18 @@ def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[s
     return problems
 
 
+def _check_file(path: Path | None, sh: ShardInfo, m: Manifest, decode: bool) -> list[str]:
+    """Size, sha256, contents and offset index of one shard (a local file)."""
+    if path is None:
+        return [f"{sh.name}: missing"]
+    size = path.stat().st_size
+    if size != sh.bytes:
+        return [f"{sh.name}: {size} bytes, manifest says {sh.bytes}"]
+    if sha256_file(path) != sh.sha256:
+        return [f"{sh.name}: sha256 differs from the manifest"]
+    return _check_shard(path, m, sh.num_samples, decode) + _check_offsets(path, sh, m.index_every)
+
+
 def _check_offsets(path: Path, sh: ShardInfo, every: int | None) -> list[str]:
     """The manifest's offsets of this shard must be exactly where its samples 0, every, ...
     start: a reader seeking to a wrong one would read from the middle of a sample."""
@@ -94,41 +110,58 @@ def _check_offsets(path: Path, sh: ShardInfo, every: int | None) -> list[str]:
     return []
 
 
+@contextlib.contextmanager
+def _local_copy(root: str, name: str, tmp: Path) -> Iterator[Path | None]:
+    """The shard as a local file: itself for a local set, else downloaded (with retries) into
+    `tmp` and removed after; None when it does not exist."""
+    local = local_path(root)
+    if local is not None:
+        yield local / name if (local / name).is_file() else None
+        return
+    path = tmp / name
+    try:
+        path.write_bytes(read_bytes(join(root, name)))
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
+    """Check every shard of the set at `root` (a folder or URL: ssl_vit.data.urls) against
+    the manifest; a remote set's shards are downloaded one at a time to check them."""
     report = VerifyReport()
-    root = Path(root)
     try:
         m = load_manifest(root)
     except ManifestError as e:
         report.problems.append(str(e))
         return report
+    root = str(m.root)
     listed: set[str] = set()
-    for split, info in m.splits.items():
-        total_bytes = 0
-        for sh in info.shards:
-            listed.add(sh.name)
-            path = root / sh.name
-            total_bytes += sh.bytes
-            if not path.is_file():
-                report.problems.append(f"{sh.name}: missing")
-                continue
-            if path.stat().st_size != sh.bytes:
-                report.problems.append(
-                    f"{sh.name}: {path.stat().st_size} bytes, manifest says {sh.bytes}"
-                )
-                continue
-            if sha256_file(path) != sh.sha256:
-                report.problems.append(f"{sh.name}: sha256 differs from the manifest")
-                continue
-            report.problems.extend(_check_shard(path, m, sh.num_samples, decode))
-            report.problems.extend(_check_offsets(path, sh, m.index_every))
-        report.lines.append(
-            f"{split:>6}: {info.num_samples} samples in {len(info.shards)} shards, "
-            f"{total_bytes / 1e6:.1f} MB"
-        )
-    errors = root / ERRORS_NAME
-    if errors.is_file():
-        lines = [ln for ln in errors.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    with tempfile.TemporaryDirectory(prefix="verify-shards-") as tmp:
+        for split, info in m.splits.items():
+            total_bytes = 0
+            for sh in info.shards:
+                listed.add(sh.name)
+                total_bytes += sh.bytes
+                try:
+                    with _local_copy(root, sh.name, Path(tmp)) as path:
+                        report.problems.extend(_check_file(path, sh, m, decode))
+                except Exception as e:  # a remote read that failed after its retries
+                    report.problems.append(f"{sh.name}: unreadable ({type(e).__name__}: {e})")
+            report.lines.append(
+                f"{split:>6}: {info.num_samples} samples in {len(info.shards)} shards, "
+                f"{total_bytes / 1e6:.1f} MB"
+            )
+    try:
+        errors: str | None = read_bytes(join(root, ERRORS_NAME)).decode("utf-8")
+    except FileNotFoundError:
+        errors = None
+    if errors is not None:
+        lines = [ln for ln in errors.splitlines() if ln.strip()]
         try:
             [json.loads(ln) for ln in lines]
         except ValueError:
@@ -139,11 +172,13 @@ def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
             )
     elif m.num_skipped:
         report.problems.append(f"{ERRORS_NAME}: missing ({m.num_skipped} skipped inputs)")
-    stray = sorted(p.name for p in root.glob("*.tar") if p.name not in listed)
-    if stray:
-        report.warnings.append(f"{len(stray)} .tar files not in the manifest (e.g. {stray[0]})")
-    if (root / ".work").exists():
-        report.warnings.append(".work/ left by an unfinished job (safe to delete)")
+    folder = local_path(root)
+    if folder is not None:  # a listing of a remote prefix is not looked for
+        stray = sorted(p.name for p in folder.glob("*.tar") if p.name not in listed)
+        if stray:
+            report.warnings.append(f"{len(stray)} .tar files not in the manifest (e.g. {stray[0]})")
+        if (folder / ".work").exists():
+            report.warnings.append(".work/ left by an unfinished job (safe to delete)")
     classes = "unlabelled" if m.class_names is None else f"{len(m.class_names)} classes"
     report.lines.append(
         f"{classes}, {m.channels} channel(s), image size {m.image_size or 'mixed'}, "
