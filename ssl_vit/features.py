@@ -364,13 +364,13 @@ def split_features(
     device = device or default_device()
     bf16 = (device.type == "cuda") if bf16 is None else bf16
     fields = feature_fields(
-        backbone, Path(manifest.root), split, pool=pool, n_last=n_last, layer=layer,
+        backbone, str(manifest.root), split, pool=pool, n_last=n_last, layer=layer,
         device=device, bf16=bf16,
     )  # fmt: skip
 
     def compute() -> tuple[np.ndarray, np.ndarray]:
         batches = eval_batches(
-            Path(manifest.root), split, batch_size, num_workers, backbone.img_size
+            str(manifest.root), split, batch_size, num_workers, backbone.img_size
         )
         f, y = extract_features(
             backbone, batches, pool=pool, n_last=n_last, layer=layer, device=device,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["servers"]  # tests/servers.py: ShardHTTPServer, S3Server and their fixtures
 
 # OpenMP threads that spin while they wait for work (libgomp's default) starve everything else
 # on a small shared CPU: a tiny ViT's training step took ~1.3 s instead of ~0.08 s on 2 cores

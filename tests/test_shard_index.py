@@ -16,7 +16,7 @@ from PIL import Image
 
 from ssl_vit.data.imaging import ImageOptions
 from ssl_vit.data.manifest import Manifest, ShardInfo, SplitInfo, load_manifest, write_manifest
-from ssl_vit.data.shard_job import INDEX_EVERY, run_job
+from ssl_vit.data.shard_job import INDEX_EVERY, index_stride, run_job
 from ssl_vit.data.shard_plan import ShardOptions, make_plan
 from ssl_vit.data.shard_verify import verify_shard_set
 from ssl_vit.data.sources import open_source
@@ -72,27 +72,27 @@ def made(tmp_path_factory) -> tuple[Path, Path]:
 def test_offsets_point_at_each_indexed_samples_first_member(made):
     _, out = made
     m = load_manifest(out)
-    assert m.index_every == INDEX_EVERY == 100
+    counts = [sh.num_samples for s in m.splits.values() for sh in s.shards]
+    k = m.index_every
+    assert k == index_stride(counts) == min(INDEX_EVERY, min(counts) // 20) and k > 1
     for split in m.splits:
         for sh, path in zip(m.split(split).shards, m.shard_paths(split), strict=True):
             keys = keys_of(path)
             assert len(keys) == sh.num_samples
-            assert sh.offsets is not None and len(sh.offsets) == -(-len(keys) // 100)
+            assert sh.offsets is not None and len(sh.offsets) == -(-len(keys) // k)
             assert sh.offsets[0] == 0
             with open(path, "rb") as f:
                 for i, offset in enumerate(sh.offsets):
                     f.seek(offset)
                     info = tarfile.TarInfo.frombuf(f.read(512), "utf-8", "surrogateescape")
-                    assert info.name.split(".", 1)[0] == keys[i * 100]
+                    assert info.name.split(".", 1)[0] == keys[i * k]
                     assert info.name.endswith(".cls")  # a sample's first member, sorted order
             # A reader seeking to an offset reads whole samples from there on.
             with open(path, "rb") as f:
                 f.seek(sh.offsets[-1])
                 tail = tarfile.open(fileobj=io.BytesIO(f.read()), mode="r:")
                 names = tail.getnames()
-            assert (
-                len({n.split(".", 1)[0] for n in names}) == len(keys) - (len(sh.offsets) - 1) * 100
-            )
+            assert len({n.split(".", 1)[0] for n in names}) == len(keys) - (len(sh.offsets) - 1) * k
 
 
 def test_sample_offsets_every_one_and_foreign_tars(tmp_path):
@@ -234,7 +234,7 @@ def test_verify_catches_a_wrong_offset(made, tmp_path):
     problems = [ln for ln in r.stderr.splitlines() if "error" in ln]
     assert len(problems) == 1
     assert (
-        f"{sh.name}: offsets[1] = {sh.offsets[1] + 512} is not where sample 100 starts"
+        f"{sh.name}: offsets[1] = {sh.offsets[1] + 512} is not where sample {m.index_every} starts"
         in (problems[0])
     )
     m.splits["train"].shards[0] = ShardInfo(
@@ -244,7 +244,7 @@ def test_verify_catches_a_wrong_offset(made, tmp_path):
     report = verify_shard_set(copy, decode=False)
     assert report.problems == [
         f"{sh.name}: {len(sh.offsets) - 1} offsets, its samples need {len(sh.offsets)} "
-        "(one per 100); re-create the shard set"
+        f"(one per {m.index_every}); re-create the shard set"
     ]
 
 

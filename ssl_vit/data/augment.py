@@ -33,24 +33,32 @@ import warnings
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.data import get_worker_info
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 _FORMATS = ("PNG", "JPEG", "WEBP")  # what data_prep writes; nothing else is parsed
 
 
-def _libpng_op():
-    """torchvision's libpng decoding op, or None where this torchvision build has none (PIL
-    decodes everything then). Called as the op: torchvision 0.29's Python wrapper warns on every
-    call (its image codecs are deprecated in favour of TorchCodec, not a dependency here)."""
+def _image_op(name: str):
+    """torchvision's decoding op `name` (libpng's decode_png, libjpeg-turbo's decode_jpeg), or
+    None where this torchvision build has none (PIL decodes everything then). Called as the op:
+    torchvision 0.29's Python wrapper warns on every call (its image codecs are deprecated in
+    favour of TorchCodec, not a dependency here)."""
     try:
         import torchvision.io  # noqa: F401  (loads the image extension, registering the op)
 
-        return torch.ops.image.decode_png
+        return getattr(torch.ops.image, name)
     except (ImportError, AttributeError, RuntimeError):
         return None
 
 
-_DECODE_PNG = _libpng_op()
+_DECODE_PNG = _image_op("decode_png")
+_DECODE_JPEG = _image_op("decode_jpeg")
+_GRAY, _RGB = 1, 3  # torchvision's ImageReadMode values
+# torch's antialiased bilinear kernel for uint8 images (its AVX2 path is PIL's algorithm in 16-bit
+# fixed point), used by crop_resize from this output size up; below it PIL's is faster.
+_RESAMPLE = getattr(torch._C._nn, "_upsample_bilinear2d_aa", None)
+TORCH_RESIZE_MIN = 64
 
 
 class CorruptSample(ValueError):
@@ -77,12 +85,59 @@ def _png_fast_path(data: bytes, channels: int) -> tuple[int, int] | None:
     return width, height
 
 
+def _jpeg_fast_path(data: bytes, channels: int) -> tuple[int, int] | None:
+    """(width, height) when `data` is an 8-bit baseline, extended or progressive Huffman JPEG
+    with 1 component for channels=1 or 3 for channels=3: the JPEG torchvision's libjpeg-turbo
+    decodes to the pixels PIL's (also libjpeg-turbo, same settings) gives; None for anything else
+    (CMYK, a colour JPEG wanted in gray, 12-bit, arithmetic coding, no readable frame header)."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    n, i = len(data), 2
+    while i + 4 <= n and data[i] == 0xFF:  # marker segments up to the frame header
+        code = data[i + 1]
+        if code == 0xFF:  # a fill byte before the marker code
+            i += 1
+            continue
+        if code in (0x01, *range(0xD0, 0xD8)):  # TEM, RST0..7: no length field
+            i += 2
+            continue
+        if code in (0x00, 0xD8, 0xD9, 0xDA):  # stuffed byte, SOI, EOI, SOS: no frame first
+            return None
+        if code in (0xC0, 0xC1, 0xC2):  # SOF0..2: precision | height | width | components
+            if i + 10 > n:
+                return None
+            height, width = struct.unpack(">HH", data[i + 5 : i + 9])
+            if data[i + 4] != 8 or data[i + 9] != channels or not height or not width:
+                return None
+            return width, height
+        if 0xC3 <= code <= 0xCF and code not in (0xC4, 0xC8, 0xCC):  # other frame types
+            return None
+        i += 2 + ((data[i + 2] << 8) | data[i + 3])
+    return None
+
+
+def _check_pixels(size: tuple[int, int]) -> None:
+    limit = Image.MAX_IMAGE_PIXELS  # PIL's guard against decompression bombs, kept here
+    if limit is not None and size[0] * size[1] > limit:
+        raise ValueError(f"declares {size[0]}x{size[1]} pixels, above the limit of {limit}")
+
+
 def _decode_image(data: bytes, channels: int) -> np.ndarray:  # (H, W) or (H, W, 3) uint8
+    if _DECODE_JPEG is not None and data[:2] == b"\xff\xd8":
+        size = _jpeg_fast_path(data, channels)
+        if size is not None:
+            _check_pixels(size)
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            try:  # (C, H, W), an (H, W, C) buffer underneath
+                out = _DECODE_JPEG(buf, _GRAY if channels == 1 else _RGB, False)
+            except RuntimeError:  # corrupt: PIL decides, and says why in its own words
+                out = None
+            if out is not None and out.shape[0] == channels:
+                return out[0].numpy() if channels == 1 else out.permute(1, 2, 0).numpy()
+        return decode_with_pil(data, channels)
     size = _png_fast_path(data, channels) if _DECODE_PNG is not None else None
     if size is not None:
-        limit = Image.MAX_IMAGE_PIXELS  # PIL's guard against decompression bombs, kept here
-        if limit is not None and size[0] * size[1] > limit:
-            raise ValueError(f"declares {size[0]}x{size[1]} pixels, above the limit of {limit}")
+        _check_pixels(size)
         out = _DECODE_PNG(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, False)
         if out.shape[0] == channels:  # (C, H, W); a tRNS chunk adds alpha: PIL's path drops it
             return out[0].numpy() if channels == 1 else out.permute(1, 2, 0).numpy()
@@ -164,13 +219,110 @@ def crop_params(
 
 def crop_resize(img: np.ndarray, size: int, box: tuple[int, int, int, int]) -> np.ndarray:
     """The (top, left, h, w) box of `img` resized to size x size (PIL bilinear, antialiased);
-    the image itself when the box is all of it at that size already."""
+    the image itself when the box is all of it at that size already. From TORCH_RESIZE_MIN px
+    up, gray or RGB uint8 images are resampled by torch's kernel (`_resize_torch`): within one
+    gray level of PIL's pixels (PIL's own below that size, and where torch's cannot apply)."""
     top, left, h, w = box
     if (top, left, h, w) == (0, 0, size, size) == (0, 0, *img.shape[:2]):
         return img
+    if size >= TORCH_RESIZE_MIN and _RESAMPLE is not None:
+        out = _resize_torch(img, size, box)
+        if out is not None:
+            return out
+    return _resize_pil(img, size, box)
+
+
+def _resize_pil(img: np.ndarray, size: int | tuple[int, int], box: tuple) -> np.ndarray:
+    """PIL's antialiased bilinear resize of the (top, left, h, w) box (floats allowed) to
+    size x size, or to (width, height)."""
+    top, left, h, w = box
+    out_size = (size, size) if isinstance(size, int) else size
     pil_box = (left, top, left + w, top + h)
-    out = Image.fromarray(img).resize((size, size), Image.BILINEAR, box=pil_box)
+    out = Image.fromarray(img).resize(out_size, Image.BILINEAR, box=pil_box)
     return np.asarray(out)
+
+
+# How torch's kernel stands in for PIL's (Pillow's Resample.c, which its AVX2 uint8 path follows
+# with 16-bit instead of 22-bit fixed-point weights: a pixel may round one level apart). For each
+# output pixel i of an axis, PIL weighs the input pixels around
+#     centre = start + (i + 0.5) * scale,   scale = box length / size,
+# within max(scale, 1) of it, reading past the box's edges into the rest of the image (clamped to
+# the image). torch's kernel computes the same weights over its input tensor, centre measured
+# from the tensor's first pixel. So torch gets the box plus a margin past its far edges, with the
+# scale given explicitly (not input / output size); a margin of 2 + ceil(support) pixels covers
+# every weight PIL uses there. Before the near edges no margin is possible (the centres would
+# shift), so the first one or two rows and columns, the only ones whose PIL weights reach before
+# the box, are redone by PIL itself on a thin strip of the image around them. One trap: torch
+# treats an axis whose input length equals the output size as needing no resampling, whatever
+# the scale; a margin that would make it so is one pixel longer (or the image goes to PIL).
+
+
+def _near_edge(start: int, length: int, size: int) -> int:
+    """Output pixels of an axis whose PIL weights reach before the box's start (see above)."""
+    if start == 0 or length == size:
+        return 0
+    scale = length / size
+    support = max(scale, 1.0)
+    n = 0
+    while n < size and int(start + (n + 0.5) * scale - support + 0.5) < start:
+        n += 1
+    return n
+
+
+def _far_end(start: int, length: int, total: int, size: int) -> int | None:
+    """Where torch's input ends along an axis: the box's end plus the margin (see above)."""
+    if length == size:
+        return start + length  # an integer shift at scale 1 is PIL's identity too
+    end = min(total, start + length + 2 + math.ceil(max(length / size, 1.0)))
+    if end - start == size:
+        if end == total:
+            return None
+        end += 1
+    return end
+
+
+def _resize_torch(img: np.ndarray, size: int, box: tuple[int, int, int, int]) -> np.ndarray | None:
+    """crop_resize by torch's kernel plus PIL on the near edges (see above); None where it does
+    not apply (not uint8 gray or RGB, or an axis it cannot margin)."""
+    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+        return None
+    top, left, h, w = box
+    H, W = img.shape[:2]
+    bottom, right = _far_end(top, h, H, size), _far_end(left, w, W, size)
+    if bottom is None or right is None:
+        return None
+    if img.flags.writeable:
+        src = torch.from_numpy(img)
+    else:  # e.g. PIL's pixels: torch warns about any read-only array, though it only reads
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(img)
+    chw = src.permute(2, 0, 1)
+    x = chw[None, :, top:bottom, left:right]
+    threads = torch.get_num_threads()
+    if threads > 1:  # one image is too little work to share: threads only slow it down
+        torch.set_num_threads(1)
+    try:
+        out = _RESAMPLE(x, [size, size], False, size / h, size / w)[0]  # (C, size, size)
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+    pixels = out.permute(1, 2, 0).numpy()
+    rows, cols = _near_edge(top, h, size), _near_edge(left, w, size)
+    if rows or cols:
+        sy, sx = h / size, w / size
+        my, mx = 2 + math.ceil(max(sy, 1.0)), 2 + math.ceil(max(sx, 1.0))
+        r0, c0 = max(0, top - my), max(0, left - mx)
+        r1, c1 = min(H, top + h + my), min(W, left + w + mx)
+        if rows:  # the first rows, every column
+            r = min(H, top + math.ceil(rows * sy) + my)
+            strip_box = (top - r0, left - c0, rows * sy, w)
+            pixels[:rows] = _resize_pil(img[r0:r, c0:c1], (size, rows), strip_box)
+        if cols:  # the first columns, every row
+            c = min(W, left + math.ceil(cols * sx) + mx)
+            strip_box = (top - r0, left - c0, h, cols * sx)
+            pixels[:, :cols] = _resize_pil(img[r0:r1, c0:c], (cols, size), strip_box)
+    return pixels
 
 
 def train_transform(
@@ -225,6 +377,24 @@ def eval_transform(img: np.ndarray, size: int) -> np.ndarray:  # (size, size[, 3
 
 
 def to_batch(arrays: list[np.ndarray]) -> torch.Tensor:  # (B, C, H, W) uint8
-    """Stack HxW (grayscale) or HxWx3 (RGB) uint8 arrays into one channels-first tensor."""
-    x = torch.from_numpy(np.stack(arrays))  # (B, H, W) or (B, H, W, 3)
-    return x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2).contiguous()
+    """Stack HxW (grayscale) or HxWx3 (RGB) uint8 arrays into one channels-first tensor. Each is
+    copied once, straight into its place (np.stack then a channels-first copy cost two copies,
+    the first slow on flipped views of interleaved RGB: about 300 us per 224-px image)."""
+    if not arrays:
+        raise ValueError("to_batch needs at least one image")
+    first = arrays[0]
+    shape = (len(arrays), 1, *first.shape) if first.ndim == 2 else (
+        len(arrays), first.shape[2], *first.shape[:2])  # fmt: skip
+    if get_worker_info() is not None:
+        # In a DataLoader worker, straight into shared memory, as torch's default_collate does:
+        # a batch in private memory is copied there again on its way to the main process.
+        storage = torch.UntypedStorage._new_shared(math.prod(shape))
+        out = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+    else:
+        out = torch.empty(shape, dtype=torch.uint8)
+    dst = out.numpy()
+    for i, a in enumerate(arrays):
+        if a.shape != first.shape:
+            raise ValueError(f"image {i} has shape {a.shape}, image 0 {first.shape}")
+        dst[i] = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+    return out

@@ -54,10 +54,15 @@ from ssl_vit.io import atomic_write_text
 
 WORK = ".work"
 TOOL = "data_prep/make_shards.py"
-# The manifest lists the byte offset of every INDEX_EVERY-th sample of each shard: a reader that
-# starts at an arbitrary sample reads at most 99 samples it does not need, and the index stays
-# small (about 13k numbers for ImageNet's 1.28M images).
+# The manifest lists the byte offset of every k-th sample of each shard, k = INDEX_EVERY or a
+# twentieth of the smallest shard if less: a reader that starts at an arbitrary sample reads at
+# most k - 1 samples it does not need (at most 5% of a shard), and the index stays small (about
+# 13k numbers for ImageNet's 1.28M images).
 INDEX_EVERY = 100
+
+
+def index_stride(shard_counts: list[int]) -> int:
+    return max(1, min([INDEX_EVERY, *(n // 20 for n in shard_counts)]))
 
 
 class JobError(ValueError):
@@ -340,7 +345,8 @@ def merge(
     # of the part's bytes alone, so it is the same whatever --workers or --num-jobs. All parts
     # are read before any is renamed, so a bad part stops the merge with the folder unchanged.
     parts = [p for rec in records for p in rec.parts]
-    offsets = {p.name: _part_offsets(work / p.name, p.num_samples) for p in parts}
+    every = index_stride([p.num_samples for p in parts])
+    offsets = {p.name: _part_offsets(work / p.name, p.num_samples, every) for p in parts}
     splits: dict[str, SplitInfo] = {}
     counters: dict[str, int] = {}
     errors = list(listing.errors)
@@ -372,7 +378,7 @@ def merge(
         std=std,
         stats_split="train" if train_stats else None,
         num_skipped=len(errors),
-        index_every=INDEX_EVERY,
+        index_every=every,
         created_by={"tool": TOOL, "version": ssl_vit.__version__, **fingerprint(source, opts)},
     )
     atomic_write_text(out / ERRORS_NAME, "".join(json.dumps(e) + "\n" for e in errors))
@@ -382,14 +388,14 @@ def merge(
     return Summary(kept, len(errors), len(groups) - reused, reused, merged=True)
 
 
-def _part_offsets(path: Path, num_samples: int) -> list[int]:
-    """The part's sample offsets (every INDEX_EVERY-th), checked against its recorded count."""
+def _part_offsets(path: Path, num_samples: int, every: int) -> list[int]:
+    """The part's sample offsets (every `every`-th), checked against its recorded count."""
     try:
         with open(path, "rb") as f:
-            offsets = sample_offsets(f, INDEX_EVERY)
+            offsets = sample_offsets(f, every)
     except ValueError as e:
         raise JobError(f"{path}: unreadable part ({e}); delete it and rerun its job") from None
-    if len(offsets) != -(-num_samples // INDEX_EVERY):
+    if len(offsets) != -(-num_samples // every):
         raise JobError(
             f"{path}: holds another number of samples than its record says ({num_samples}); "
             "delete it and rerun its job"

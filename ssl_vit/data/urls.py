@@ -84,8 +84,20 @@ class Retry:
         raise AssertionError("unreachable")
 
 
-def is_missing(error: BaseException) -> bool:
-    """An error that another try will not change: the file does not exist or is forbidden."""
+def is_missing(error: BaseException | None) -> bool:
+    """An error that another try will not change: the file does not exist or is forbidden.
+
+    fsspec's HTTP files raise FileNotFoundError for any failure at open (a 503, a refused
+    connection), with the reason as its cause, and aiohttp's ClientResponseError for a bad
+    status while reading: the HTTP status decides where there is one."""
+    if error is None:
+        return False
+    cause = error.__cause__
+    status = getattr(error, "status", None) or getattr(cause, "status", None)
+    if isinstance(status, int):
+        return status in (401, 403, 404, 410)
+    if cause is not None and "Connect" in type(cause).__name__:  # a refused connection
+        return False
     return isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError))
 
 
@@ -93,14 +105,17 @@ def _fsspec_open(url: str, timeout: float):
     import fsspec
 
     protocol = url.split("://", 1)[0]
-    options: dict = {"block_size": _REMOTE_BLOCK}
+    options: dict = {}
     if protocol in ("http", "https"):
         import aiohttp
 
         # total=None: a shard may take long to stream; a stall of `timeout` seconds fails it.
         limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         options["client_kwargs"] = {"timeout": limits}
-    return fsspec.open(url, "rb", **options).open()
+    elif protocol == "s3":
+        options["config_kwargs"] = {"read_timeout": timeout, "connect_timeout": timeout}
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    return fs.open(path, "rb", block_size=_REMOTE_BLOCK)
 
 
 def open_url(url: str, start: int = 0, *, timeout: float = Retry.timeout) -> tuple[IO[bytes], int]:
