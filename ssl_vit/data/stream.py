@@ -1,9 +1,14 @@
 """Streaming input from a shard set: split by rank and worker, shuffle, decode, augment, batch.
 
-Why our own streams rather than webdataset's pipeline: an exact mid-epoch resume (the batches
-k.. of the interrupted epoch, on every rank and worker, tested by
-tests/test_stream.py::test_skip_batches_is_the_tail and the kill-and-resume runs of
-tests/test_faults.py) and equal step counts on every rank (test_equal_steps_on_every_rank).
+What webdataset does here: pipe: URLs (its gopen) and the shuffle buffer. What we do instead,
+and why: the split of shards over ranks and workers (webdataset's split_by_node/split_by_worker
+hand out whole shards, so with fewer shards than streams some streams get none and ranks run
+unequal step counts; ours cuts the epoch's samples into equal quotas at any stream count,
+entering shards mid-way through the manifest's offset index), an exact mid-epoch resume (the
+batches k.. of the interrupted epoch, on every rank and worker: tests/test_stream.py::
+test_skip_batches_is_the_tail and the kill-and-resume runs of tests/test_faults.py), remote
+files through fsspec (ranged reads, which that index needs; webdataset's http opener streams a
+whole file through curl), and the tar parsing (ssl_vit.data.tar_reader, measured there).
 
 Public API:
 
