@@ -20,7 +20,9 @@ def init_distributed() -> tuple[int, int, int]:
     """Start (or join) the process group; returns (rank, local_rank, world_size).
 
     A plain `python script.py` has no launcher variables: we make it a world of one on
-    127.0.0.1 so the same DeepSpeed code path runs on a laptop and on a cluster.
+    127.0.0.1 so the same DeepSpeed code path runs on a laptop and on a cluster. Under a
+    launcher (deepspeed, torchrun, one per node or not) the process group is the launcher's:
+    RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are all it needs.
     """
     import deepspeed
 
@@ -37,6 +39,7 @@ def init_distributed() -> tuple[int, int, int]:
     elif "OMP_NUM_THREADS" not in os.environ:
         # CPU ranks on one machine share its cores: oversubscribed threads make a step many
         # times slower, so each rank takes its share.
+        # ranks on this machine: torchrun sets LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
         share = max(1, (os.cpu_count() or 1) // max(1, local_world))
         # Only when it changes: setting even the same count again made every step about 10%

@@ -131,7 +131,15 @@ def clips_in_step(cfg: Config, engine_precision: str) -> bool:
 
 
 def deepspeed_config(
-    cfg: Config, world_size: int, micro: int, accum: int, engine_precision: str
+    cfg: Config,
+    world_size: int,
+    micro: int,
+    accum: int,
+    engine_precision: str,
+    *,
+    on_gpu: bool = False,
+    params: int = 0,
+    width: int = 0,
 ) -> dict:
     """DeepSpeed's JSON config for the weights' precision in the engine: "fp32", "bf16" or
     "fp16" (on CPU, bf16 runs as torch autocast around fp32 weights, i.e. "fp32" here).
@@ -140,7 +148,10 @@ def deepspeed_config(
     in fp32: summing many micro-batches or ranks in bf16 (8 mantissa bits) loses the small
     contributions. ZeRO-0 has no fp32-accumulating bf16 path in DeepSpeed (it would train the
     bf16 weights directly), so a bf16 run at stage 0 runs DeepSpeed's bf16 optimizer, which
-    also shards the fp32 master weights and moments like stage 1."""
+    also shards the fp32 master weights and moments like stage 1.
+
+    `on_gpu`: the engine runs on CUDA, where ZeRO's communication is given its GPU settings,
+    sized by the model's `params` (elements) and `width` (`comm_settings`)."""
     stage = cfg.train.zero_stage
     ds: dict = {
         "train_batch_size": cfg.train.global_batch,
@@ -163,4 +174,64 @@ def deepspeed_config(
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
         ds["communication_data_type"] = "fp32"
         ds["zero_optimization"]["stage"] = max(stage, 1)
+    if on_gpu:
+        ds["zero_optimization"].update(
+            comm_settings(ds["zero_optimization"]["stage"], params, width)
+        )
     return _merge(ds, cfg.train.deepspeed)
+
+
+# A ZeRO-1/2 gradient bucket (elements). Not below 25 MiB of fp32 gradients, the bucket
+# PyTorch's DistributedDataParallel reduces by default (`bucket_cap_mb=25`, torch.nn.parallel
+# docs): smaller collectives stop filling the links. Not above 5e8, DeepSpeed's own default
+# for `reduce_bucket_size` / `allgather_bucket_size` (DeepSpeed config JSON docs, ZeRO section).
+_MIN_BUCKET = 25 * 2**20 // 4
+_MAX_BUCKET = 500_000_000
+_BUCKETS_PER_MODEL = 8  # gradients of a step leave in about this many reductions
+
+
+def comm_settings(stage: int, params: int, width: int = 0) -> dict:
+    """ZeRO communication settings for GPUs (NCCL), sized to a model of `params` parameters
+    whose transformer width is `width` (0: not known); {} at stage 0, which has no ZeRO
+    optimizer.
+
+    `overlap_comm` reduces a bucket of gradients on a side stream while the backward pass goes
+    on (DeepSpeed turns it on by itself only at stage 3), and `contiguous_gradients` copies each
+    gradient into the bucket as it is produced, so the bucket is sent without a gather.
+    DeepSpeed's default bucket (5e8 elements) is larger than a ViT-B or ViT-L: the whole
+    reduction would wait for the end of the backward, with nothing to overlap, and each rank
+    would hold a 1-2 GB staging buffer (5e8 bf16 or fp32 elements, allocated whole whatever the
+    model; two of them with overlap). Here a ZeRO-1/2 bucket is an eighth of the model, within
+    [25 MiB of fp32, 5e8 elements]: a ViT-B/16's gradients leave in 8 reductions of 44 MiB.
+
+    Stage 3 follows the sizes the Hugging Face Transformers DeepSpeed integration fills in for
+    "auto" (its DeepSpeed guide, ZeRO-3 config): reduce bucket width^2, prefetch bucket
+    0.9 x width^2 and parameters under 10 x width kept whole on every rank (the biases and
+    norms: gathering them costs a collective each for a few kB). Without a width, stage 3 keeps
+    DeepSpeed's prefetch and persistence defaults and takes the ZeRO-1/2 bucket."""
+    if stage < 1:
+        return {}
+    bucket = -(-params // _BUCKETS_PER_MODEL)  # ceil
+    bucket = -(-bucket // 2**20) * 2**20  # whole MiB-elements; all-gather wants an even count
+    bucket = min(_MAX_BUCKET, max(_MIN_BUCKET, bucket))
+    out: dict = {"overlap_comm": True, "contiguous_gradients": True}
+    if stage < 3:
+        return out | {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if not width:
+        return out | {"reduce_bucket_size": bucket}
+    return out | {
+        "reduce_bucket_size": width * width,
+        "stage3_prefetch_bucket_size": int(0.9 * width * width),
+        "stage3_param_persistence_threshold": 10 * width,
+    }
+
+
+def model_size(module: torch.nn.Module) -> dict[str, int]:
+    """`params` and `width` for `deepspeed_config`: the parameter count of the whole objective
+    and its backbone's token width (`embed_dim` of timm's ViTs, hybrids and Mixers; 0 when
+    there is none)."""
+    backbone = getattr(module, "backbone", module)
+    return {
+        "params": sum(p.numel() for p in module.parameters()),
+        "width": int(getattr(backbone, "embed_dim", 0) or 0),
+    }

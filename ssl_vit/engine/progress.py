@@ -43,9 +43,16 @@ class MetricWindow:
         self.data_s += data_wait_s
 
     def flush(
-        self, extra: dict[str, float], flops_per_step: float, peak: float, world: int
+        self,
+        extra: dict[str, float],
+        flops_per_step: float,
+        peak: float,
+        world: int,
+        measured_peak: float = 0.0,
     ) -> dict[str, float]:
-        """Everything for one log line / MLflow point, identical on every rank."""
+        """Everything for one log line / MLflow point, identical on every rank. `peak` and
+        `measured_peak` are one device's FLOP/s (ssl_vit.perf.mfu_denominator): model FLOP
+        utilisation against each, over `world` devices."""
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         keys = sorted(self.sums)
         count = torch.tensor(float(self.count), device=self.device)
@@ -55,8 +62,10 @@ class MetricWindow:
         row["train/data_wait_share"] = self.data_s / elapsed
         if flops_per_step:
             row["train/model_flops_per_s"] = flops_per_step * self.steps / elapsed
-            if peak:  # model FLOP utilisation against the matmul peak measured at start
+            if peak:  # the published peak where known, else the measured one
                 row["train/mfu"] = row["train/model_flops_per_s"] / (peak * world)
+            if measured_peak:  # the matmul peak measured at start
+                row["train/mfu_measured"] = row["train/model_flops_per_s"] / (measured_peak * world)
         row.update({f"train/{k}": float(v) for k, v in extra.items()})
         self._reset()
         return row

@@ -49,6 +49,7 @@ from ssl_vit.engine.optim import (
     clips_in_step,
     deepspeed_config,
     make_optimizer,
+    model_size,
 )
 from ssl_vit.engine.precision import run_precision, step_timer
 from ssl_vit.engine.preflight import check_data
@@ -56,7 +57,7 @@ from ssl_vit.engine.progress import MetricWindow, TrainProgress, write_loss_plot
 from ssl_vit.engine.run_tracker import open_run_tracker, register_run, save_run_id
 from ssl_vit.engine.train_step import train_step
 from ssl_vit.io import atomic_write_text
-from ssl_vit.perf import count_train_flops, measure_matmul_peak
+from ssl_vit.perf import count_train_flops, mfu_peaks
 from ssl_vit.tracking import Tracker
 
 log = logging.getLogger("ssl_vit.train")
@@ -195,7 +196,8 @@ def _setup(cfg: Config, header: str) -> _Setup:
         flops = _flops_per_step(objective, cfg, spec.in_chans, cfg.train.global_batch)
     optimizer, schedule = make_optimizer(objective, cfg, total_steps)
     ds_precision = precision if device.type == "cuda" else "fp32"
-    ds_config = deepspeed_config(cfg, world, micro, accum, ds_precision)
+    on_gpu, size = device.type == "cuda", model_size(objective)  # ZeRO's bucket sizes
+    ds_config = deepspeed_config(cfg, world, micro, accum, ds_precision, on_gpu=on_gpu, **size)
     if rank == 0:
         atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
     if ds_config["zero_optimization"]["stage"] == 3:
@@ -223,17 +225,17 @@ def _setup(cfg: Config, header: str) -> _Setup:
 
 class _StepLog:
     """Metric lines of the logging steps: averaged over ranks, then MLflow and metrics.jsonl
-    (rank 0). The matmul peak, the MFU denominator, is measured once here, at start."""
+    (rank 0). The MFU denominators are found once here, at start: the device's published peak
+    (`train/mfu`, the measured one where there is none) and a matmul peak measured now
+    (`train/mfu_measured`), both in the arithmetic of the run's matmuls."""
 
     def __init__(self, s: _Setup, tracker: Tracker, start_step: int) -> None:
-        self.s, self.tracker, self.peak = s, tracker, 0.0
+        self.s, self.tracker, self.peak, self.measured = s, tracker, 0.0, 0.0
         self.file = s.run_dir / "metrics.jsonl"
         device = s.engine.device
-        if s.rank == 0:  # at the training precision
-            dtype = torch.bfloat16 if s.precision == "bf16" else torch.float32
-            self.peak = measure_matmul_peak(
-                dtype, device, n=4096 if device.type == "cuda" else 1024
-            )
+        if s.rank == 0:
+            self.peak, self.measured, why = mfu_peaks(s.precision, device)
+            log.info("train/mfu against %s", why)
         self.window = MetricWindow(device, s.cfg.train.global_batch)
         if s.rank == 0:
             self.window.truncate_file(self.file, start_step)  # lines past the resumed checkpoint
@@ -253,7 +255,7 @@ class _StepLog:
             "data/read_retries": s.loader.counter.retries,
             "data/gbytes_read": s.loader.counter.bytes_read / 1e9,
         }
-        row = self.window.flush(extra, s.flops_per_step, self.peak, s.world)
+        row = self.window.flush(extra, s.flops_per_step, self.peak, s.world, self.measured)
         if s.rank == 0:
             save_run_id(self.tracker, s.run_dir / "mlflow_run_id")
             self.tracker.log_metrics(row, step=n.step)
