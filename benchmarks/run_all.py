@@ -30,6 +30,9 @@ BENCHMARKS = [
      [], ["--steps", "30"]),
     ("loader", "our shard loader vs torchvision ImageFolder + DataLoader, same work",
      [], ["--num-images", "5000", "--repeats", "2"]),
+    ("jpeg_loader", "photo JPEGs at 224 px, 1 worker each: our loader vs torchvision "
+     "ImageFolder; bytes read per epoch at 1..512 streams; GPU decode where there is a GPU",
+     [], ["--quick"]),
     ("shard_prep", "data_prep/make_shards.py vs bare decode + encode of the same images",
      [], ["--repeats", "1"]),
     ("knn", "FAISS kNN vs scikit-learn KNeighborsClassifier vs chunked torch matmul",

@@ -11,9 +11,16 @@ the objective.
 The loader workers share two CPU cores with training on a small machine, so every microsecond
 per sample shows in training speed (benchmarks/train_throughput.py): an 8-bit PNG already in
 the target mode (what data_prep writes) is decoded by torchvision's libpng op, about 10 us faster
-per sample than PIL's Python-side open; a crop box that is the whole image at the output
-size skips the resize, and a flip is a numpy view. Any other image takes the PIL path. Both give
-the same pixels (tests/test_augment.py).
+per sample than PIL's Python-side open, and an 8-bit JPEG whose components are the target's by
+its libjpeg-turbo op (about 240 us against PIL's 400 for a 256 x 320 photo, the same pixels);
+a crop box that is the whole image at the output size skips the resize, and a flip is a numpy
+view. Any other image takes the PIL path; both give the same pixels (tests/test_augment.py).
+RGB crops to TORCH_RESIZE_MIN px and more are resampled by torch's uint8 kernel, PIL's filter
+in coarser fixed point (about 270 us against 550 to 224 px; pixels within a level of PIL's, see
+crop_resize), and `to_batch` copies each image once, straight into its place in the batch (in
+shared memory inside a loader worker). Per 224-px training image of benchmarks/photo_set.py's
+photos, on one core: about 1,450 us before these paths, 850 with them
+(benchmarks/jpeg_loader.py compares the loader with torchvision's ImageFolder pipeline).
 
 Randomness comes from an explicit `random.Random` seeded per chunk of a batch (never torch's
 global RNG; see ssl_vit.data.datasets), so a sample's augmentation depends only on (seed,
@@ -55,10 +62,13 @@ def _image_op(name: str):
 _DECODE_PNG = _image_op("decode_png")
 _DECODE_JPEG = _image_op("decode_jpeg")
 _GRAY, _RGB = 1, 3  # torchvision's ImageReadMode values
-# torch's antialiased bilinear kernel for uint8 images (its AVX2 path is PIL's algorithm in 16-bit
-# fixed point), used by crop_resize from this output size up; below it PIL's is faster.
+# torch's antialiased bilinear kernel, as F.interpolate(..., antialias=True) calls it (here with
+# explicit scales): for uint8 RGB its AVX2 path is PIL's algorithm in 16-bit fixed point. Used by
+# crop_resize from TORCH_RESIZE_MIN px up: below, its fixed costs (the edge strips below) lose to
+# PIL on small sources. Measured on one core: at 112 px, even from 134 x 157-px images and 1.6x
+# faster from 256-px ones; at 224 px from 256-px images, 2x faster.
 _RESAMPLE = getattr(torch._C._nn, "_upsample_bilinear2d_aa", None)
-TORCH_RESIZE_MIN = 64
+TORCH_RESIZE_MIN = 112
 
 
 class CorruptSample(ValueError):
@@ -220,8 +230,9 @@ def crop_params(
 def crop_resize(img: np.ndarray, size: int, box: tuple[int, int, int, int]) -> np.ndarray:
     """The (top, left, h, w) box of `img` resized to size x size (PIL bilinear, antialiased);
     the image itself when the box is all of it at that size already. From TORCH_RESIZE_MIN px
-    up, gray or RGB uint8 images are resampled by torch's kernel (`_resize_torch`): within one
-    gray level of PIL's pixels (PIL's own below that size, and where torch's cannot apply)."""
+    up, RGB images are resampled by torch's kernel (`_resize_torch`, about 2x faster at 224 px):
+    PIL's pixels within 1 level (2 for a few values in 10^8; tests/test_augment.py). Gray
+    images, smaller outputs and what torch's kernel cannot take get PIL's exact pixels."""
     top, left, h, w = box
     if (top, left, h, w) == (0, 0, size, size) == (0, 0, *img.shape[:2]):
         return img
@@ -283,8 +294,8 @@ def _far_end(start: int, length: int, total: int, size: int) -> int | None:
 
 def _resize_torch(img: np.ndarray, size: int, box: tuple[int, int, int, int]) -> np.ndarray | None:
     """crop_resize by torch's kernel plus PIL on the near edges (see above); None where it does
-    not apply (not uint8 gray or RGB, or an axis it cannot margin)."""
-    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+    not apply (not a uint8 RGB array with positive strides, or an axis it cannot margin)."""
+    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3 or min(img.strides) < 0:
         return None
     top, left, h, w = box
     H, W = img.shape[:2]
