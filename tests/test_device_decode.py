@@ -17,14 +17,14 @@ import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from ssl_vit.data.augment import decode_with_pil, eval_transform, to_batch, train_transform
-from ssl_vit.data.device_decode import (
-    DeviceDecodeError,
-    crop_box_for,
-    decode_crop_batch,
+from ssl_vit.data.augment import (
+    decode_with_pil,
+    eval_transform,
     is_jpeg,
-    jpeg_size,
+    to_batch,
+    train_transform,
 )
+from ssl_vit.data.device_decode import DeviceDecodeError, crop_box_for, decode_crop_batch, jpeg_size
 
 CPU = torch.device("cpu")
 # The CUDA variants exist where a GPU does (nvjpeg then decodes): collected there, absent here.

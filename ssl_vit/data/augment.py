@@ -36,6 +36,7 @@ import math
 import random
 import struct
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -100,30 +101,68 @@ def _jpeg_fast_path(data: bytes, channels: int) -> tuple[int, int] | None:
     with 1 component for channels=1 or 3 for channels=3: the JPEG torchvision's libjpeg-turbo
     decodes to the pixels PIL's (also libjpeg-turbo, same settings) gives; None for anything else
     (CMYK, a colour JPEG wanted in gray, 12-bit, arithmetic coding, no readable frame header)."""
-    if data[:3] != b"\xff\xd8\xff":
+    frame = jpeg_frame(data)
+    if frame is None or frame.marker not in (0xC0, 0xC1, 0xC2) or frame.precision != 8:
         return None
-    n, i = len(data), 2
-    while i + 4 <= n and data[i] == 0xFF:  # marker segments up to the frame header
-        code = data[i + 1]
-        if code == 0xFF:  # a fill byte before the marker code
+    if frame.components != channels or not frame.height or not frame.width:
+        return None
+    return frame.width, frame.height
+
+
+def is_jpeg(data: bytes | bytearray | memoryview) -> bool:
+    """Whether `data` starts as a JPEG does (SOI, then a marker)."""
+    return len(data) >= 3 and data[0] == 0xFF and data[1] == 0xD8 and data[2] == 0xFF
+
+
+class JpegFrame(NamedTuple):
+    marker: int  # SOF0..SOF15: the coding process (0xC0 baseline, 0xC2 progressive, ...)
+    precision: int  # bits per sample
+    height: int  # 0: given later by a DNL marker
+    width: int
+    components: int
+
+
+# Start-of-frame markers: 0xC0..0xCF except DHT (0xC4), JPG (0xC8) and DAC (0xCC), which share
+# the range.
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM and RST0..7: no length field
+_NO_FRAME = frozenset({0x00, 0xD8, 0xD9, 0xDA})  # stuffed byte, SOI, EOI, SOS before any frame
+
+
+def jpeg_frame(data: bytes | bytearray | memoryview) -> JpegFrame | None:
+    """A JPEG's start-of-frame header, found by walking the marker segments from the SOI (a few
+    microseconds: no decoding); None when `data` is not a JPEG, is cut before the frame header
+    ends, or has a malformed segment or no frame."""
+    n = len(data)
+    if not is_jpeg(data):
+        return None
+    i = 2
+    while True:
+        if i >= n or data[i] != 0xFF:  # a marker must follow each segment
+            return None
+        while i < n and data[i] == 0xFF:  # fill bytes may precede a marker code
             i += 1
-            continue
-        if code in (0x01, *range(0xD0, 0xD8)):  # TEM, RST0..7: no length field
-            i += 2
-            continue
-        if code in (0x00, 0xD8, 0xD9, 0xDA):  # stuffed byte, SOI, EOI, SOS: no frame first
+        if i >= n:
             return None
-        if code in (0xC0, 0xC1, 0xC2):  # SOF0..2: precision | height | width | components
-            if i + 10 > n:
-                return None
-            height, width = struct.unpack(">HH", data[i + 5 : i + 9])
-            if data[i + 4] != 8 or data[i + 9] != channels or not height or not width:
-                return None
-            return width, height
-        if 0xC3 <= code <= 0xCF and code not in (0xC4, 0xC8, 0xCC):  # other frame types
+        code = data[i]
+        i += 1
+        if code in _STANDALONE:
+            continue
+        if code in _NO_FRAME:
             return None
-        i += 2 + ((data[i + 2] << 8) | data[i + 3])
-    return None
+        if i + 2 > n:
+            return None
+        length = (data[i] << 8) | data[i + 1]  # includes its own two bytes
+        if length < 2:
+            return None
+        if code in _SOF:
+            # length (2) | precision (1) | height (2) | width (2) | components (1) | ...
+            if length < 8 or i + 8 > n:
+                return None
+            height = (data[i + 3] << 8) | data[i + 4]
+            width = (data[i + 5] << 8) | data[i + 6]
+            return JpegFrame(code, data[i + 2], height, width, data[i + 7])
+        i += length
 
 
 def _check_pixels(size: tuple[int, int]) -> None:

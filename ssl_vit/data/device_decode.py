@@ -47,15 +47,9 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
 
-from .augment import crop_params
+from .augment import crop_params, jpeg_frame
 
 Buffer = bytes | bytearray | memoryview
-
-# Start-of-frame markers (frame header: precision, height, width, components): 0xC0..0xCF except
-# DHT (0xC4), JPG (0xC8) and DAC (0xCC), which share the range.
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM and RST0..7: no length field
-_NO_FRAME = frozenset({0x00, 0xD8, 0xD9, 0xDA})  # stuffed byte, SOI, EOI, SOS before any frame
 
 
 class DeviceDecodeError(ValueError):
@@ -66,45 +60,14 @@ class DeviceDecodeError(ValueError):
         self.position = position
 
 
-def is_jpeg(data: Buffer) -> bool:
-    """Whether `data` starts as a JPEG does (SOI, then a marker)."""
-    return len(data) >= 3 and data[0] == 0xFF and data[1] == 0xD8 and data[2] == 0xFF
-
-
 def jpeg_size(data: Buffer) -> tuple[int, int] | None:
-    """(height, width) from the JPEG's start-of-frame header, found by walking the marker
-    segments from the SOI; None when `data` is not a JPEG, is cut before the frame header ends,
-    or has a malformed segment or no frame (a height of 0, left to a DNL marker, counts too)."""
-    n = len(data)
-    if not is_jpeg(data):
+    """(height, width) from the JPEG's start-of-frame header (`augment.jpeg_frame`); None when
+    `data` is not a JPEG, is cut before the frame header ends, or has a malformed segment or no
+    frame (a height of 0, left to a DNL marker, counts too)."""
+    frame = jpeg_frame(data)
+    if frame is None or not frame.height or not frame.width:
         return None
-    i = 2
-    while True:
-        if i >= n or data[i] != 0xFF:  # a marker must follow each segment
-            return None
-        while i < n and data[i] == 0xFF:  # fill bytes may precede a marker code
-            i += 1
-        if i >= n:
-            return None
-        code = data[i]
-        i += 1
-        if code in _STANDALONE:
-            continue
-        if code in _NO_FRAME:
-            return None
-        if i + 2 > n:
-            return None
-        length = (data[i] << 8) | data[i + 1]  # includes its own two bytes
-        if length < 2:
-            return None
-        if code in _SOF:
-            # length (2) | precision (1) | height (2) | width (2) | components (1) | ...
-            if length < 8 or i + 7 > n:
-                return None
-            height = (data[i + 3] << 8) | data[i + 4]
-            width = (data[i + 5] << 8) | data[i + 6]
-            return (height, width) if height and width else None
-        i += length
+    return frame.height, frame.width
 
 
 def crop_box_for(
