@@ -7,7 +7,7 @@ FMNIST  ?= /usr/share/datasets/fashion-mnist
 SHARDS  ?= shards/fashion-mnist
 RUN     ?= runs/quickstart
 
-.PHONY: setup quickstart test lint bench fashion-mnist device-kit
+.PHONY: setup quickstart test lint bench fashion-mnist offline-kit
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,11 +46,13 @@ TEST_WORKERS ?= auto
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
-# What a lent GPU machine lacks (wheels, deepspeed, Fashion-MNIST) for benchmarks/device_study.sh:
-# PRESENT names the machine's packages (its KINDS.md entry, or one name per line).
-device-kit: setup fashion-mnist
-	@test -n "$(PRESENT)" || { echo "make device-kit PRESENT=FILE: the lent image's package list"; exit 2; }
-	$(BIN)/python benchmarks/device_kit.py --present $(PRESENT) --fmnist $(FMNIST)
+# What a GPU node without internet lacks (wheels, deepspeed, Fashion-MNIST), packed into .whl/
+# and .fmnist/ for benchmarks/gpu_check.sh and device_study.sh. PRESENT: the node's packages
+# (`pip freeze` run there, or one name per line); PYTHON: its Python version.
+PYTHON_TARGET ?= 3.12
+offline-kit: setup fashion-mnist
+	@test -n "$(PRESENT)" || { echo "make offline-kit PRESENT=FILE: the node's pip freeze"; exit 2; }
+	$(BIN)/python benchmarks/offline_kit.py --present $(PRESENT) --python $(PYTHON_TARGET) --fmnist $(FMNIST)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The study's GPU track on one lent GPU, in one call: shards, then from scratch beside MPP +
+# The study's GPU track on one GPU, in one call: shards, then from scratch beside MPP +
 # fine-tuning (evals/study.py gpu_track), then the pipeline against the plain loop if time is left.
 #
 #   OUT=/tmp/device BUDGET=540 SSL_VIT_GIT_COMMIT=$(git rev-parse HEAD) \
 #       bash benchmarks/device_study.sh
-#   (lent-machine run: carry .whl .fmnist runs/study/mpp_hybrid_gpu/export and .../export_epoch20,
-#   63.6 of the 64 MiB a carry may hold)
+#   (copy .whl, .fmnist and runs/study/mpp_hybrid_gpu/export and .../export_epoch20 over first:
+#   about 64 MiB)
 #
-# Where nothing can be installed (a lent machine with torch and timm but no internet), the other
+# Where nothing can be installed (a GPU node with torch and timm but no internet), the other
 # dependencies travel beside the tree: .whl/*.whl (webdataset, mlflow-skinny and their needs for
-# Python 3.12), .whl/deepspeed-site.tgz (the pure-Python deepspeed package) and the Fashion-MNIST
-# IDX files in .fmnist/, all written here by `make device-kit PRESENT=<the image's package list>`
-# (benchmarks/device_kit.py; about 50 MiB). Elsewhere `pip install -e .` and FMNIST=DIR do.
+# the node's Python), .whl/deepspeed-site.tgz (the pure-Python deepspeed package) and the
+# Fashion-MNIST IDX files in .fmnist/, all written by `make offline-kit PRESENT=<the node's pip
+# freeze>` (benchmarks/offline_kit.py; about 50 MiB). Elsewhere `pip install -e .` and FMNIST=DIR do.
 # BUDGET: seconds after which unfinished steps are stopped (they resume from their checkpoints
 # on a later call).
 # What comes back under $OUT: the study's results of the track, logs and metric lines, and the

@@ -49,13 +49,13 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
             f"samples of split {cfg.data.split!r}; lower the batch"
             + (f" or raise data.train_fraction={fraction}" if fraction < 1 else "")
         )
-    check_read_plan(cfg, manifest, world, steps_per_epoch)
+    check_read_plan(cfg, manifest, world)
     check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
     return manifest, steps_per_epoch, total_steps
 
 
-def check_read_plan(cfg: Config, manifest: Manifest, world: int, steps: int) -> None:
+def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> None:
     """Refuse a streamed epoch that would read the shard set more than MAX_READ_FACTOR times:
     streams that must read shard heads to drop them (a pipe, or remote shards without the
     offset index) when there are not many more shards than streams (ssl_vit.data.stream_plan)."""
@@ -76,6 +76,7 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int, steps: int) -> 
     shards = select_shards(manifest, d.split, d.missing_shards)  # type: ignore[arg-type]
     total = sum(r.num_samples for r in shards)
     exclusions = Exclusions(excluded_indices(total, holdout_fraction(cfg), d.train_fraction))
+    steps = (total - len(exclusions.sorted)) // cfg.train.global_batch  # missing shards left out
     workers = max(1, d.num_workers)
     batch = cfg.train.global_batch // world
     quotas = [stream_quota(steps, batch, workers, role) for role in range(workers)] * world

@@ -1,18 +1,21 @@
-"""What a lent GPU machine lacks, packed beside the tree for `benchmarks/device_study.sh`.
+"""Wheels for a GPU node without internet (an air-gapped cluster), packed beside the tree.
 
-    python benchmarks/device_kit.py --present /work/.library/device/KINDS.md
-    (then carry .whl and .fmnist; `make device-kit` runs the same)
+    python benchmarks/offline_kit.py --present target-packages.txt [--python 3.12]
+    (`make offline-kit PRESENT=target-packages.txt` runs the same; copy .whl/ and .fmnist/ over)
 
-A lent machine has torch, timm and a long list of packages but no internet. This writes
-  .whl/*.whl                 cp312 manylinux wheels of what ssl-vit needs and the machine lacks:
-                             the kit's roots below and everything they require, found by
-                             reading each wheel's Requires-Dist under the machine's markers
-                             (Python 3.12, Linux x86_64), stopping at what --present lists;
+An offline GPU node usually has a Python with torch and a list of other packages, and no way
+to reach PyPI. Run this on a machine that can, with --present naming what the node already has
+(`pip freeze` or `pip list --format=freeze` run there, or one name per line). It writes
+  .whl/*.whl                 manylinux wheels, for the node's Python (--python) on Linux x86_64,
+                             of what ssl-vit needs there (ROOTS) and everything those require,
+                             found by reading each wheel's Requires-Dist under the node's
+                             markers, stopping at what --present lists;
   .whl/deepspeed-site.tgz    the deepspeed package as installed here (PyPI has no wheel of it;
                              its ops compile on first use, so the Python files suffice);
-  .fmnist/                   Fashion-MNIST's four IDX files.
-Versions are this venv's, so the GPU runs the code the suite tested. A wheel already in .whl
-is kept (the job resumes); a second version of one package is refused, since pip would stop.
+  .fmnist/                   Fashion-MNIST's four IDX files (the study's data).
+benchmarks/gpu_check.sh and benchmarks/device_study.sh install from there. Versions are this
+venv's, so the node runs the code the test suite tested. A wheel already in .whl is kept (the
+job resumes); a second version of one package is refused, since pip would stop on it.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-# What ssl-vit imports on the GPU track that the lent image may lack (deepspeed travels apart).
+# What ssl-vit imports on a GPU node beyond torch, timm and numpy (deepspeed travels apart).
 ROOTS = ("webdataset", "mlflow-skinny", "sqlalchemy", "alembic")
-# The lent machine's interpreter and platform, for evaluating environment markers.
+# The node's interpreter and platform, for evaluating environment markers (--python sets the
+# version).
 TARGET = {
     "python_version": "3.12",
     "python_full_version": "3.12.3",
@@ -58,13 +62,16 @@ def canonical(name: str) -> str:
 
 
 def present_names(text: str) -> set[str]:
-    """Package names from a list: one per line, or a `Packages: a, b, c.` line (KINDS.md)."""
-    line = next((x for x in text.splitlines() if "Packages:" in x), None)
-    if line is not None:
-        items = line.split("Packages:", 1)[1].rstrip(". \n").split(",")
-    else:
-        items = text.split()
-    return {canonical(x.strip()) for x in items if x.strip()}
+    """Package names from a list: `pip freeze` lines (name==version, name @ url), or names one
+    per line or separated by commas; blank lines and # comments are passed over."""
+    names = set()
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        for item in line.split(","):
+            name = re.split(r"[=<>!~ @\[;]", item.strip(), maxsplit=1)[0]
+            if name and not name.startswith("-"):
+                names.add(canonical(name))
+    return names
 
 
 def needs(requires_dist: Iterable[str]) -> list[str]:
@@ -116,12 +123,12 @@ def fetch(name: str, folder: Path) -> Path:
     except md.PackageNotFoundError:
         pin = name
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", "-d", str(folder),
-           pin]  # fmt: skip
+           "--python-version", TARGET["python_version"], "--implementation", "cp",
+           "-d", str(folder), pin]  # fmt: skip
     for p in PLATFORMS:
         cmd += ["--platform", p]
     if subprocess.run(cmd).returncode != 0:
-        sys.exit(f"{pin}: pip found no cp312 Linux wheel; add its --platform to PLATFORMS")
+        sys.exit(f"{pin}: pip found no Linux x86_64 wheel for Python {TARGET['python_version']}")
     got = wheel_of(name, folder)
     assert got is not None, f"pip downloaded {pin} under another name"
     return got
@@ -151,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         "--present",
         type=Path,
         required=True,
-        help="the lent image's package names (KINDS.md, or one name per line)",
+        help="what the node has: `pip freeze` output from it, or one package name per line",
     )
+    p.add_argument("--python", default="3.12", help="the node's Python version (major.minor)")
     p.add_argument("--out", type=Path, default=ROOT / ".whl", help="the wheels' folder")
     p.add_argument("--fmnist", type=Path, default=Path("/usr/share/datasets/fashion-mnist"),
                    help="Fashion-MNIST's IDX files here go to .fmnist/")  # fmt: skip
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.present.is_file():
         p.error(f"--present {args.present}: not a file")
     present = present_names(args.present.read_text())
+    TARGET["python_version"] = TARGET["python_full_version"] = args.python
     args.out.mkdir(exist_ok=True)
 
     ds_needs = pack_deepspeed(args.out)
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_fmnist(args.fmnist, ROOT / ".fmnist")
     size = sum(f.stat().st_size for d in (args.out, ROOT / ".fmnist") for f in d.iterdir())
     print(f"{len(kit)} wheels + deepspeed-site.tgz in {args.out}, Fashion-MNIST in .fmnist: "
-          f"{size / 2**20:.1f} MiB of the 64 a carry holds")  # fmt: skip
+          f"{size / 2**20:.1f} MiB")  # fmt: skip
     print("wheels: " + ", ".join(sorted(kit)))
     return 0
 

@@ -1,4 +1,5 @@
-"""benchmarks/device_kit.py: which packages travel to a lent GPU machine (offline parts only)."""
+"""benchmarks/offline_kit.py: which packages travel to a GPU node without internet (the parts
+that need no network)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,19 @@ import zipfile
 
 from conftest import ROOT
 
-spec = importlib.util.spec_from_file_location("device_kit", ROOT / "benchmarks" / "device_kit.py")
+spec = importlib.util.spec_from_file_location("offline_kit", ROOT / "benchmarks" / "offline_kit.py")
 kit = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kit)
 
 
-def test_present_names_read_a_kinds_line_or_one_per_line():
-    kinds = "| intro |\nnvidia-h100-x1: ... Packages: absl-py, PyYAML, typing_extensions, zipp.\n"
-    assert kit.present_names(kinds) == {"absl-py", "pyyaml", "typing-extensions", "zipp"}
+def test_present_names_read_pip_freeze_or_plain_lists():
+    freeze = "absl-py==2.1.0\nPyYAML==6.0.2\ntyping_extensions @ file:///wheels/te.whl\n# pinned\n"
+    assert kit.present_names(freeze) == {"absl-py", "pyyaml", "typing-extensions"}
     assert kit.present_names("numpy\nTorch\n\nsafetensors\n") == {"numpy", "torch", "safetensors"}
+    assert kit.present_names("zipp, numpy>=1.26, -e .\n") == {"zipp", "numpy"}
 
 
-def test_needs_follow_the_lent_machines_markers():
+def test_needs_follow_the_nodes_markers():
     got = kit.needs([
         "Braceexpand",
         "tomli; python_version < '3.11'",  # the target runs 3.12
