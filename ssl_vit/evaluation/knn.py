@@ -35,8 +35,8 @@ def _faiss():
         import faiss
     except ImportError as e:
         raise ImportError(
-            "FAISS is not installed: pip install 'ssl-vit[cpu]', or 'ssl-vit[gpu]' on a CUDA "
-            "machine (one of the two, never both)"
+            "FAISS is not installed: pip install 'ssl-vit[cpu]', or 'ssl-vit[gpu-cu12]' beside a "
+            "CUDA 12 build of torch (one of the two, never both)"
         ) from e
     return faiss
 
