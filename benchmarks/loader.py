@@ -35,6 +35,7 @@ from ssl_vit.data.tar_reader import iter_samples
 from ssl_vit.io import sha256_file
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -125,7 +126,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--img-size", type=int, default=28, help="crop output size")
     p.add_argument("--repeats", type=int, default=3, help="epochs timed per loader")
-    p.add_argument("--work", type=Path, default=Path("/tmp/ssl-vit-bench-loader"))
+    p.add_argument("--work", type=Path, default=ROOT / "runs" / "bench" / "loader",
+                   help="scratch folder for the images and shards")  # fmt: skip
     args = p.parse_args()
 
     folder, shards = prepare(args.work, args.num_images, args.per_shard)
