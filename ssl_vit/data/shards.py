@@ -98,10 +98,10 @@ def select_shards(
     elif missing != "skip":
         raise ValueError(f"missing must be 'error' or 'skip', not {missing!r}")
     urls = [join(str(manifest.root), info.name) for info in infos]
-    gone = [u for u in urls if exists(u) is False]
+    gone = {u for u in urls if exists(u) is False}
     if gone:
         log.warning("%d of %d %s shards missing, skipped (first: %s)",
-                    len(gone), len(urls), split, gone[0])  # fmt: skip
+                    len(gone), len(urls), split, min(gone))  # fmt: skip
     refs, offset = [], 0
     for info, url in zip(infos, urls, strict=True):
         if url in gone:

@@ -123,7 +123,9 @@ def open_url(url: str, start: int = 0, *, timeout: float = Retry.timeout) -> tup
     file, http(s), s3, gs), at 0 for a pipe (the caller reads up to `start` itself)."""
     path = local_path(url)
     if path is not None:
-        f = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 (the caller closes it)
+        # 64 KiB: a few reads per shard of small samples, and passing over a large sample by
+        # its header (a seek) refills no more than that
+        f = open(path, "rb", buffering=1 << 16)  # noqa: SIM115 (the caller closes it)
         f.seek(start)
         return f, start
     if is_pipe(url):
