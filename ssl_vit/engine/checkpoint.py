@@ -1,7 +1,10 @@
 """Atomic DeepSpeed checkpoints in a run directory, with a `latest` pointer and pruning.
 
-    RUN/checkpoints/step00000500/   complete checkpoints (DeepSpeed's files + trainer_state.json)
-    RUN/checkpoints/latest          the tag of the newest complete one, replaced atomically
+    RUN/checkpoints/step00000500/             complete checkpoints (DeepSpeed's files +
+                                              trainer_state.json)
+    RUN/checkpoints/step00000500/universal/   the same in DeepSpeed's universal format, made
+                                              by a launch of another world size
+    RUN/checkpoints/latest                    the newest complete one's tag, replaced atomically
 
 DeepSpeed writes into `<tag>.partial/`; only when every rank has finished is it renamed to
 `<tag>/` and `latest` replaced (temp file + rename). A kill at any moment therefore leaves
@@ -9,16 +12,41 @@ DeepSpeed writes into `<tag>.partial/`; only when every rank has finished is it 
 save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks), `find` and
 `restore` (rank 0 decides which checkpoint and tells the others: no rank starts elsewhere).
 The run directory must be on storage all ranks share: `check_shared` refuses to start otherwise.
+
+Another world size (a node lost, or added back). Under ZeRO >= 1 each rank saved only its
+partition of the fp32 weights and optimizer state, which a different number of ranks cannot
+load as it is. `resume` then has rank 0 convert the checkpoint once into DeepSpeed's universal
+format (one folder per parameter holding its whole fp32 value, Adam moments and step), into
+`<tag>/universal.partial/` renamed to `<tag>/universal/` when complete (`to_universal`), while
+the other ranks watch for it; every rank then loads it with DeepSpeed's universal load, which
+cuts each parameter into this world's partitions. Weights, moments and Adam's step count all
+continue. A stage-0 checkpoint needs none of this: rank 0 saved the whole optimizer state in
+one file, which any world size loads.
+
+The data position does not carry over: each (rank, loader worker) stream reads its own part
+of an epoch (ssl_vit.data.stream_plan), so "batch k of epoch E" means other samples at another
+stream count. After a change of world size or data.num_workers in the middle of an epoch,
+that epoch restarts from its first batch in the new world's order while the step count goes
+on: the samples of its first k batches are seen twice, none is skipped, and later epochs are
+exact again. `replayed_steps` in trainer_state.json counts the steps so replayed over the
+run's life; the loader's position is `step - replayed_steps` batches.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import logging
 import shutil
 import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ssl_vit.engine.distributed import all_gather_object, barrier, broadcast_object
 from ssl_vit.io import atomic_write_text
@@ -119,11 +147,118 @@ def find(ckpt_dir: Path, rank: int) -> tuple[str, dict] | None:
     return tag, json.loads((ckpt_dir / tag / STATE_NAME).read_text())
 
 
-def restore(engine: Any, ckpt_dir: Path, tag: str) -> None:
-    """Load model and optimizer state of checkpoint `tag` (every rank)."""
-    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+UNIVERSAL = "universal"  # <tag>/universal: the checkpoint in DeepSpeed's universal format
+
+
+def restore(engine: Any, ckpt_dir: Path, tag: str, universal: bool = False) -> None:
+    """Load model and optimizer state of checkpoint `tag` (every rank); `universal`: from
+    `<tag>/universal` (`to_universal`), with DeepSpeed's universal load."""
+    load_dir, load_tag = (ckpt_dir / tag, UNIVERSAL) if universal else (ckpt_dir, tag)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    with _universal_load(engine, universal):
+        path, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
     if path is None:
-        raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
+        raise CheckpointError(f"{load_dir / load_tag}: DeepSpeed could not load this checkpoint")
+    if universal:
+        _repair_universal_load(engine.optimizer, groups)
+
+
+def _repair_universal_load(optimizer: Any, groups: list[dict]) -> None:
+    """Undo two faults of DeepSpeed's ZeRO-3 universal load (0.19.8, stage3.py,
+    `load_hp_checkpoint_state_from_checkpoint_dir_stage3`), harmless elsewhere:
+
+    - it copies the first parameter group's hyperparameters into every group, so the
+      no-decay group (biases, norms, position embedding) would get weight decay: each group
+      gets back its own, as this run's config made them (`groups`, taken before the load; the
+      learning rate is set from the step right after anyway);
+    - it gives every sub-group's Adam state the same `step` tensor, which Adam then increments
+      in place once per sub-group, so the step count behind the bias correction would run
+      ahead by a factor of the group count: each state gets its own copy."""
+    for group, before in zip(optimizer.param_groups, groups, strict=True):
+        group.update(before)
+    seen: set[int] = set()
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
+
+
+@contextlib.contextmanager
+def _universal_load(engine: Any, on: bool) -> Iterator[None]:
+    """DeepSpeed's `checkpoint.load_universal` switched on for one load.
+
+    The engine reads that config key only inside `load_checkpoint` (through
+    `engine.load_universal_checkpoint()`), and whether a launch needs it is known only once its
+    checkpoint is found, after the engine is built: so it is set on the engine's parsed config
+    for this load and put back after, rather than in the JSON config of every launch."""
+    if not on:
+        yield
+        return
+    config = engine._config  # DeepSpeedConfig: what load_universal_checkpoint() reads
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        if not engine.load_universal_checkpoint():
+            raise CheckpointError(
+                "this DeepSpeed's engine does not read checkpoint.load_universal where ssl-vit "
+                "sets it; resume at the saved world size"
+            )
+        yield
+    finally:
+        config.load_universal_checkpoint = before
+
+
+def to_universal(ckpt_dir: Path, tag: str, rank: int) -> None:
+    """Convert checkpoint `tag` to DeepSpeed's universal format in `<tag>/universal/`, once: a
+    later launch reuses it (every rank calls this; rank 0 converts).
+
+    Rank 0 runs DeepSpeed's `ds_to_universal` (its `main`, serially: a process pool forked
+    from a training process with threads and a process group is not safe) into
+    `universal.partial/`, renamed when complete, so a kill mid-way leaves nothing a later
+    launch would trust; a failure is written to `universal.failed` instead. The other ranks
+    wait by watching for either on the shared run directory, not inside a collective: the
+    conversion of a large model on a network file system can outlast the process group's
+    timeout (DeepSpeed's 10 minutes by default), which would abort every rank. Our modules
+    carry no universal-checkpoint metadata (tensor-parallel patterns; we have none), which the
+    converter is told to add (`inject_missing_state`). Its progress output is kept out of the
+    log unless it fails."""
+    final = ckpt_dir / tag / UNIVERSAL
+    failed = final.with_name(UNIVERSAL + ".failed")
+    if rank == 0:
+        failed.unlink(missing_ok=True)  # an earlier launch's: this one tries again
+    barrier()
+    if rank == 0 and not final.is_dir():
+        partial = final.with_name(UNIVERSAL + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        output = io.StringIO()
+        try:
+            from deepspeed.checkpoint import ds_to_universal
+
+            args = argparse.Namespace(
+                input_folder=str(ckpt_dir / tag), output_folder=str(partial),
+                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                strict=True, inject_missing_state=True,
+            )  # fmt: skip
+            with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+                ds_to_universal.main(args)
+            # it also points `<tag>/latest_universal` at the folder it wrote; we load by name
+            (ckpt_dir / tag / "latest_universal").unlink(missing_ok=True)
+            partial.rename(final)
+        except Exception as e:  # any failure of the converter: every rank must hear of it
+            log.error("ds_to_universal output:\n%s", output.getvalue()[-5000:])
+            shutil.rmtree(partial, ignore_errors=True)
+            atomic_write_text(failed, f"{type(e).__name__}: {e}")
+    while not (final.is_dir() or failed.is_file()):
+        time.sleep(1.0)
+    barrier()
+    if failed.is_file():
+        raise CheckpointError(
+            f"{ckpt_dir / tag}: conversion to a universal checkpoint failed "
+            f"({failed.read_text().strip()}); resume at the saved world size, or start a new "
+            "run.dir with model.init_from pointing at this run"
+        )
 
 
 # What a checkpoint's step means depends on these; the trainer saves them in trainer_state.json.
@@ -131,28 +266,49 @@ LAUNCH_KEYS = {"world_size": "world size", "num_workers": "data.num_workers",
                "steps_per_epoch": "steps per epoch"}  # fmt: skip
 
 
-def resume(engine: Any, ckpt_dir: Path, zero_stage: int, launch: dict[str, int]) -> dict:
+def resume(engine: Any, ckpt_dir: Path, launch: dict[str, int]) -> dict:
     """Restore the checkpoint to resume and return its trainer state ({} for a fresh run),
-    after checking that this launch (`LAUNCH_KEYS`) can continue it exactly.
+    after checking what this launch (`LAUNCH_KEYS`) changes.
 
-    ZeRO >= 1 keeps optimizer partitions per rank; mid-epoch, the data position is per (rank,
-    worker) stream and the shards read: a change to either would silently alter the run, so it
-    is refused with one line before DeepSpeed loads anything."""
+    Another world size is converted to the universal format first when the engine partitions
+    optimizer state (ZeRO >= 1, and DeepSpeed's bf16 optimizer at stage 0, which partitions
+    like stage 1: hence the engine's stage, not the config's). Another world size or
+    data.num_workers in the middle of an epoch restarts that epoch (module docstring): the
+    returned state's `replayed_steps` then includes the k steps of it already run. Another
+    steps-per-epoch (global batch, readable shards) mid-epoch has no such mapping and is
+    refused with one line before DeepSpeed loads anything."""
     found = find(ckpt_dir, engine.global_rank)
     if found is None:
         return {}
     tag, state = found
-    step = int(state["step"])
+    step, replayed = int(state["step"]), int(state.get("replayed_steps", 0))
     saved = {k: state.get(k, v) for k, v in launch.items()}
     changed = [k for k in LAUNCH_KEYS if saved[k] != launch[k]]
-    mid_epoch = step % launch["steps_per_epoch"] != 0
-    if (zero_stage and "world_size" in changed) or (changed and mid_epoch):
-        what = ", ".join(f"{LAUNCH_KEYS[k]} {saved[k]} -> {launch[k]}" for k in changed)
-        keep = ", ".join(f"{LAUNCH_KEYS[k]} {saved[k]}" for k in changed)
+    epoch, k = divmod(step - replayed, launch["steps_per_epoch"])
+    what = ", ".join(f"{LAUNCH_KEYS[c]} {saved[c]} -> {launch[c]}" for c in changed)
+    if "steps_per_epoch" in changed and k:
         raise CheckpointError(
-            f"{ckpt_dir / tag}: cannot resume exactly ({what}); relaunch with the saved {keep}, "
-            "or start a new run.dir with model.init_from pointing at this run"
+            f"{ckpt_dir / tag}: cannot resume exactly mid-epoch ({what}); relaunch with the "
+            "saved train.global_batch and shards, or start a new run.dir with model.init_from "
+            "pointing at this run"
         )
-    restore(engine, ckpt_dir, tag)
+    universal = "world_size" in changed and engine.zero_optimization_stage() > 0
+    if universal:
+        to_universal(ckpt_dir, tag, engine.global_rank)
+    restore(engine, ckpt_dir, tag, universal)
     log.info("resumed from step %d (%s)", step, ckpt_dir / tag)
+    if {"world_size", "num_workers"} & set(changed):
+        said = [what]
+        if "world_size" in changed:
+            said.append(
+                "converted to a universal checkpoint" if universal
+                else "ZeRO-0 saved the whole optimizer state, loaded as it is"
+            )  # fmt: skip
+        if k:
+            state = {**state, "replayed_steps": replayed + k}
+            said.append(f"epoch {epoch} restarts from its first batch ({k} batches of it are "
+                        "seen again)")  # fmt: skip
+        else:
+            said.append(f"epoch {epoch} starts from its first batch, as planned")
+        log.info("%s: %s", said[0], "; ".join(said[1:]))
     return state

@@ -6,10 +6,11 @@
   log, checkpoint -> export the backbone (fp32 master weights).
 
 Running the same command again resumes the same run: model, optimizer, step, data position
-(epoch and batch) and MLflow run. The learning rate is a function of the step count, set by us
-every step, so it never lags the step whatever DeepSpeed skips. Randomness is re-seeded from
-(seed, rank, step) at every step, so a resumed run draws the masks and augmentations it would
-have drawn.
+(epoch and batch) and MLflow run; with another number of ranks too, the interrupted epoch then
+restarting from its first batch (ssl_vit/engine/checkpoint.py). The learning rate is a
+function of the step count, set by us every step, so it never lags the step whatever DeepSpeed
+skips. Randomness is re-seeded from (seed, rank, step) at every step, so a resumed run draws
+the masks and augmentations it would have drawn.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class Counters:
     nonfinite_in_row: int = 0
     nonfinite_total: int = 0
     skipped_total: int = 0  # optimizer steps not applied (non-finite loss or fp16 overflow)
+    # steps that re-read the start of an epoch restarted on another world size (or loader
+    # worker count, checkpoint.resume): the loader is `step - replayed_steps` batches in
+    replayed_steps: int = 0
 
     def state(self) -> dict:
         return dataclasses.asdict(self)
@@ -277,7 +281,7 @@ def _batches(
             if images is None:
                 break
             yield images, labels, time.perf_counter() - t0
-        loader.set_epoch(n.step // loader.steps_per_epoch)
+        loader.set_epoch((n.step - n.replayed_steps) // loader.steps_per_epoch)
 
 
 def _save_checkpoint(s: _Setup, n: Counters, evals: InTrainingEvals, tracker: Tracker) -> None:
@@ -299,9 +303,9 @@ def train(cfg: Config, header: str = "") -> Path:
     s = _setup(cfg, header)
     launch = {"world_size": s.world, "num_workers": cfg.data.num_workers,
               "steps_per_epoch": s.loader.steps_per_epoch}  # fmt: skip
-    state = checkpoint.resume(s.engine, s.ckpt_dir, cfg.train.zero_stage, launch)
+    state = checkpoint.resume(s.engine, s.ckpt_dir, launch)
     n = Counters(**{k: int(state.get(k, 0)) for k in Counters().state()})
-    s.loader.set_epoch(n.step // s.loader.steps_per_epoch, n.step % s.loader.steps_per_epoch)
+    s.loader.set_epoch(*divmod(n.step - n.replayed_steps, s.loader.steps_per_epoch))
     s.schedule.set(n.step)
     tracker = open_run_tracker(cfg, s.run_dir, s.rank, n.step == 0, s.derived, s.spec.source_run_id)
     step_log = _StepLog(s, tracker, n.step)
