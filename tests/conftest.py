@@ -38,8 +38,12 @@ LONGEST_FIRST = (
     "test_faults",  # 356 s
     "test_dynamic_vit",  # 289 s
     "test_mlflow_native",  # 237 s
+    "test_remote_shards",  # ~130 s (2 trainings, a 2-rank launch, S3 and HTTP servers)
+    "test_elastic",  # ~60 s
     "test_bad_inputs",  # 130 s
     "test_compile",  # 102 s
+    "test_launchers",  # ~40 s
+    "test_gpu_check",  # ~35 s
     "test_tracking",  # 83 s
     "test_mixer_e2e",  # 74 s
 )
