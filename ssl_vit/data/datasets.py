@@ -183,18 +183,23 @@ class TrainStream(IterableDataset):
                 label = sample_label(sample, labelled=self.labelled)
                 box, flip = crop_box_for(*size, rng, augment=self.augment, scale=self.scale,
                                          hflip=self.hflip)  # fmt: skip
-                return (torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip), label
+                return (data, box, flip), label
         img, label = decode_sample(sample, channels=self.channels, labelled=self.labelled)
         return self._transform(img, rng), label
 
     def _split(self, entries: list, labels: torch.Tensor) -> tuple:
-        """A device batch: (JPEG bytes [J], boxes (J, 4), flips (J,), their batch positions (J,),
-        the other images decoded here (B - J, C, S, S) uint8, labels (B,))."""
+        """A device batch: (the J JPEGs' bytes end to end (N,) uint8, their lengths (J,), boxes
+        (J, 4), flips (J,), batch positions (J,), the other images decoded here (B - J, C, S, S)
+        uint8, labels (B,)). One tensor for all the bytes: each tensor a worker sends travels
+        as a shared-memory file descriptor of its own, and hundreds per batch exhaust the
+        process's limit of open files."""
         jpeg = [i for i, e in enumerate(entries) if isinstance(e, tuple)]
         pixels = [e for e in entries if not isinstance(e, tuple)]
         S = self.img_size
+        blob = b"".join(entries[i][0] for i in jpeg)
         return (
-            [entries[i][0] for i in jpeg],
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0),
+            torch.tensor([len(entries[i][0]) for i in jpeg], dtype=torch.int64),
             torch.tensor([entries[i][1] for i in jpeg], dtype=torch.int64).view(-1, 4),
             torch.tensor([entries[i][2] for i in jpeg], dtype=torch.bool),
             torch.tensor(jpeg, dtype=torch.int64),

@@ -192,10 +192,11 @@ class TrainLoader(ShardLoader):
         for batch in self._dataloader():
             yield self._on_device(*batch)
 
-    def _on_device(self, encoded, boxes, flips, where, pixels, labels) -> tuple:
+    def _on_device(self, blob, lengths, boxes, flips, where, pixels, labels) -> tuple:
         """(images (B, C, S, S) uint8 on the device, labels): the workers' JPEGs decoded,
         cropped and flipped there (ssl_vit.data.device_decode), beside the images they decoded."""
         d = self.dataset
+        encoded = list(torch.split(blob, lengths.tolist())) if len(lengths) else []
         device = self._dl["device"]
         images = torch.empty((len(labels), d.channels, d.img_size, d.img_size),
                              dtype=torch.uint8, device=device)  # fmt: skip
