@@ -179,3 +179,17 @@ def _top1(result: dict) -> dict:
     """The accuracy figures of a kNN result (its timings differ run to run)."""
     metrics = result["metrics"]
     return {k: v for k, v in metrics.items() if k.startswith(("knn_", "recall", "map", "num_"))}
+
+
+def test_an_unreadable_shard_stops_training_in_one_line(tiny_shards, tmp_path, serve_http):
+    """data.missing_shards=error: the read's retries spent, the trainer (the shard read in a
+    loader worker) stops with one line naming the shard's URL."""
+    broken = {"train-000001.tar": [Status(503, times=None)]}
+    server = serve_http(tiny_shards, faults=broken)
+    args = overrides(server.url, tmp_path / "run", tmp_path / "db", "train.steps=4",
+                     "data.in_memory=false", "data.read_retries=2", "train.compile=false")  # fmt: skip
+    proc = run_cli(["pipelines/mpp_pretrain.py", *args])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: http://127.0.0.1:"), last
+    assert "train-000001.tar: unreadable after 2 tries" in last and "503" in last, last

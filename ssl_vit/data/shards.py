@@ -43,6 +43,12 @@ _n_logged = 0
 class ShardReadError(OSError):
     """A shard that could not be read after its retries, under missing="error"."""
 
+    def one_line(self) -> str:
+        """The message alone: raised in a loader worker, the DataLoader re-raises it with the
+        worker's traceback in front, the original line last."""
+        last = str(self).strip().splitlines()[-1] if str(self).strip() else ""
+        return last.split(f"{type(self).__name__}: ", 1)[-1]
+
 
 @dataclass(frozen=True)
 class ShardRef:

@@ -144,6 +144,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # DeepSpeed loads only now (seconds): a bad config or --check answers without it.
+    from ssl_vit.data.shards import ShardReadError
     from ssl_vit.engine.checkpoint import CheckpointError
     from ssl_vit.engine.trainer import NonFiniteLossError, train
 
@@ -156,6 +157,9 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
             train(cfg, header=header)
     except (ConfigError, ManifestError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ShardReadError as e:  # data.missing_shards=error, after the read's retries
+        print(f"error: {e.one_line()}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -259,8 +259,13 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
     # Progress lines (features, probe sweep) go through logging when stderr is not a TTY;
     # library start-up lines only with -v (read here: the parser runs inside `main`).
     setup_logging(wants_verbose(argv), fmt="%(asctime)s %(name)s: %(message)s", datefmt=None)
+    from ssl_vit.data.shards import ShardReadError
+
     try:
         return main(argv)
+    except ShardReadError as e:  # a shard unreadable after its retries (in a loader worker)
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        return 2
     except (ManifestError, FileNotFoundError, ValueError) as e:  # FeatureError is a ValueError
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"error: {msg}", file=sys.stderr)
