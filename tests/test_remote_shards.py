@@ -186,8 +186,8 @@ def test_an_unreadable_shard_stops_training_in_one_line(tiny_shards, tmp_path, s
     loader worker) stops with one line naming the shard's URL."""
     broken = {"train-000001.tar": [Status(503, times=None)]}
     server = serve_http(tiny_shards, faults=broken)
-    args = overrides(server.url, tmp_path / "run", tmp_path / "db", "train.steps=4",
-                     "data.in_memory=false", "data.read_retries=2", "train.compile=false")  # fmt: skip
+    extra = ("train.steps=4", "data.in_memory=false", "data.read_retries=2", "train.compile=false")
+    args = overrides(server.url, tmp_path / "run", tmp_path / "db", *extra)
     proc = run_cli(["pipelines/mpp_pretrain.py", *args])
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
