@@ -19,8 +19,7 @@ from ssl_vit.config import load_config
 from ssl_vit.engine.build import ModelSpec, export_run
 from ssl_vit.engine.distributed import init_distributed
 from ssl_vit.engine.optim import clips_in_step, deepspeed_config, make_optimizer
-from ssl_vit.engine.progress import MetricWindow
-from ssl_vit.engine.train_step import train_step
+from ssl_vit.engine.trainer import MetricWindow, optimizer_step
 from ssl_vit.models import build_backbone
 from ssl_vit.objectives import build_objective
 
@@ -109,7 +108,7 @@ def bf16_export(out: Path) -> dict:
 def clip_in_step_against_deepspeed() -> dict:
     """ZeRO-0 fp32, 2 micro-batches a step, a clip small enough to act at every step: the
     training step's own clip (optim.clips_in_step) and DeepSpeed's, from the same weights on
-    the same batches and masks, through the real train_step."""
+    the same batches and masks, through the real optimizer_step."""
     found = {}
     for who, extra in (("step", []), ("deepspeed", ["train.deepspeed={gradient_clipping: 0.05}"])):
         engine, optimizer, ds, cfg = engine_for(0, "fp32", 8, 4, "optim.grad_clip=0.05", *extra)
@@ -119,9 +118,10 @@ def clip_in_step_against_deepspeed() -> dict:
         for i in range(3):
             x = torch.randint(0, 256, (8, 1, 16, 16), generator=data, dtype=torch.uint8)
             torch.manual_seed(100 + i)  # the same MPP masks both ways
-            *_, norm = train_step(engine, optimizer, x, torch.zeros(8, dtype=torch.long), 4,
-                                  False, window, True, clip)  # fmt: skip
-            norms.append(norm)
+            labels = torch.zeros(8, dtype=torch.long)
+            step = optimizer_step(engine, optimizer, x, labels, micro=4, autocast=False,
+                                  window=window, want_grad_norm=True, clip=clip)  # fmt: skip
+            norms.append(step.grad_norm)
         found[who] = {"engine_clip": ds["gradient_clipping"], "step_clip": clip,
                       "norms": norms, "start": start, "weights": masters(engine)}  # fmt: skip
     ours, theirs = found["step"], found["deepspeed"]

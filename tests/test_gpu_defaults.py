@@ -9,7 +9,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from ssl_vit.config import load_config
 from ssl_vit.engine.optim import comm_settings, deepspeed_config, model_size
-from ssl_vit.engine.progress import MetricWindow
+from ssl_vit.engine.trainer import MetricWindow
 from ssl_vit.perf import matmul_dtype, mfu_denominator, published_peak
 
 VIT_B = {"params": 86_567_656, "width": 768}  # vit_base_patch16_224

@@ -152,3 +152,30 @@ def start_trial(mode: object, module: nn.Module, first_step: int, total_steps: i
                      total_steps - first_step, TRIAL_MIN_STEPS)  # fmt: skip
         return None
     return CompileTrial(module, first_step)
+
+
+class BlockCompile:
+    """A run's torch.compile state for the training loop: blocks compiled at setup ("on"),
+    left eager ("off"), or compiled on trial (`CompileTrial`, started once the loop knows
+    its first step)."""
+
+    def __init__(self, mode: str, module: nn.Module) -> None:
+        self.mode, self.module, self.trial = mode, module, None
+        self.compiled = mode == "on" and compile_blocks(module) > 0
+        self.param = "trial" if mode == "trial" else self.compiled  # logged with the run
+
+    def start_trial(self, first_step: int, total_steps: int, rank: int) -> None:
+        self.trial = start_trial(self.mode, self.module, first_step, total_steps, rank)
+
+    def eager(self) -> contextlib.AbstractContextManager:
+        """Compiled blocks run eagerly inside (evaluations, the export)."""
+        on = self.trial.compiled if self.trial else self.compiled
+        return eager() if on else contextlib.nullcontext()
+
+    def after_step(self, step: int) -> dict[str, float] | None:
+        """The trial's measurement, once, at the step it decides; None otherwise."""
+        return self.trial.after_step(step) if self.trial else None
+
+    def close(self) -> None:
+        if self.trial:
+            self.trial.close()

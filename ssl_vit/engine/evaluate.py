@@ -150,7 +150,7 @@ class InTrainingEvals:
         total_steps: int,
         autocast: bool,
         state: dict,
-        export: Callable[[Path, dict], None],
+        export: Callable[[Path, dict], None] | None = None,
     ) -> None:
         self.cfg, self.manifest, self.rank, self.world = cfg, manifest, rank, world
         self.img_size, self.in_chans, self.autocast = cfg.model.img_size, spec.in_chans, autocast

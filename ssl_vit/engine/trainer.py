@@ -1,21 +1,22 @@
-"""The pretraining loop shared by MPP, supervised and joint pretraining, on DeepSpeed.
+"""The training loop of every job (MPP, supervised, joint pretraining, fine-tuning), on DeepSpeed.
 
-`train(cfg)`, run by every rank:
-  set up the process group -> build backbone + objective (FLOPs counted before any wrapping)
-  -> DeepSpeed engine -> resume from RUN/checkpoints/latest if present -> stream shards, step,
-  log, checkpoint -> export the backbone (fp32 master weights).
+`train(cfg)` runs on every rank and reads top to bottom:
+
+    setup(cfg): process group, run directory, backbone + objective, data stream, DeepSpeed engine
+    resume from RUN/checkpoints/latest if there is one
+    for each batch: optimizer_step (objective -> backward -> step) -> log -> evaluate -> checkpoint
+    export the backbone (fp32 master weights)
 
 Running the same command again resumes the same run: model, optimizer, step, data position
 (epoch and batch) and MLflow run; with another number of ranks too, the interrupted epoch then
-restarting from its first batch (ssl_vit/engine/checkpoint.py). The learning rate is a
-function of the step count, set by us every step, so it never lags the step whatever DeepSpeed
-skips. Randomness is re-seeded from (seed, rank, step) at every step, so a resumed run draws
-the masks and augmentations it would have drawn.
+restarting from its first batch (ssl_vit/engine/checkpoint.py). The learning rate is a function
+of the step count, set by us every step, so it never lags the step whatever DeepSpeed skips.
+Randomness is re-seeded from (seed, rank, step) at every step, so a resumed run draws the masks
+and augmentations it would have drawn.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+import yaml
 
 from ssl_vit import startup
 from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, save_config
@@ -38,12 +40,8 @@ from ssl_vit.data.urls import Retry
 from ssl_vit.data.workers import IN_TRAINING_START
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
-from ssl_vit.engine.compile import compile_blocks, eager, resolve_compile, start_trial
-from ssl_vit.engine.distributed import (
-    barrier,
-    device_for,
-    init_distributed,
-)
+from ssl_vit.engine.compile import BlockCompile, resolve_compile
+from ssl_vit.engine.distributed import all_reduce_sum, barrier, device_for, init_distributed
 from ssl_vit.engine.evaluate import InTrainingEvals
 from ssl_vit.engine.optim import (
     StepSchedule,
@@ -54,9 +52,7 @@ from ssl_vit.engine.optim import (
 )
 from ssl_vit.engine.precision import run_precision, step_timer
 from ssl_vit.engine.preflight import check_data
-from ssl_vit.engine.progress import MetricWindow, TrainProgress, write_loss_plot
 from ssl_vit.engine.run_tracker import open_run_tracker, register_run, save_run_id
-from ssl_vit.engine.train_step import train_step
 from ssl_vit.io import atomic_write_text
 from ssl_vit.perf import count_train_flops, mfu_peaks
 from ssl_vit.tracking import Tracker
@@ -84,123 +80,126 @@ class Counters:
         return dataclasses.asdict(self)
 
 
-def _check_run_dir(run_dir: Path, cfg: Config) -> None:
-    """A run directory belongs to one model and objective: refuse to resume a different one."""
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        return
-    import yaml
-
-    old = yaml.safe_load(saved.read_text())
-    for section in ("model", "objective"):
-        if old.get(section) != cfg.to_dict()[section]:
-            raise ConfigError(
-                f"{saved}: this run directory holds a run with a different {section} config; "
-                "use another run.dir (or delete this one) to start a new run"
-            )
-
-
-def _prepare_run_dir(cfg: Config, rank: int, header: str) -> Path:
-    run_dir = Path(cfg.run.dir)
-    if rank == 0:
-        _check_run_dir(run_dir, cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml", header)
-    barrier()
-    checkpoint.check_shared(run_dir, rank)
-    checkpoint.latest_tag(run_dir / "checkpoints")  # a broken pointer fails now, before setup
-    return run_dir
-
-
-def _is_log_step(step: int, every: int, total: int) -> bool:
-    return step % every == 0 or step == total
-
-
-def _flops_per_step(objective: torch.nn.Module, cfg: Config, in_chans: int, images: int) -> float:
-    """Model FLOPs of one optimizer step over `images` images, counted on the plain module
-    before DeepSpeed wraps it (a forward on one rank through a ZeRO engine would be a
-    collective on one rank) with two images: every op here is linear in the batch."""
-    size = cfg.model.img_size
-    x = torch.rand(2, in_chans, size, size)
-    y = torch.zeros(2, dtype=torch.long)
-    flops = count_train_flops(objective, x, y) / 2 * images
-    objective.zero_grad(set_to_none=True)
-    return flops
-
-
 @dataclass
-class _Setup:
-    """What one rank trains with: the run directory, the engine and the data stream."""
+class Run:
+    """What one rank trains with, made once by `setup`."""
 
     cfg: Config
     rank: int
     world: int
-    micro: int
+    micro: int  # micro-batch size: the rank's batch is cut into these (gradient accumulation)
     run_dir: Path
     manifest: Manifest
-    spec: ModelSpec
-    objective_options: dict
-    precision: str
-    cpu_autocast: bool
+    spec: ModelSpec  # what the export records to rebuild the backbone
+    options: dict  # the objective's options, saved beside the export
+    precision: str  # fp32, bf16 or fp16 as resolved for this run (RUN/precision)
+    cpu_autocast: bool  # bf16 on a CPU runs as autocast around an fp32 engine
+    clip: float  # the global-norm clip the step applies itself (optim.clips_in_step), or 0
     loader: TrainLoader | MemoryTrainLoader
     total_steps: int
     flops_per_step: float  # model FLOPs of one optimizer step (rank 0; 0 elsewhere)
+    peak: float  # FLOP/s of one device: train/mfu's denominator (rank 0)
+    peak_measured: float  # the matmul peak measured at start: train/mfu_measured's (rank 0)
     engine: deepspeed.DeepSpeedEngine
     optimizer: torch.optim.Optimizer
     schedule: StepSchedule
-    derived: dict  # values resolved for this launch, logged as params
-    clip: float = 0.0  # the global-norm clip the step applies itself (optim.clips_in_step)
+    compiler: BlockCompile
+    launch: dict  # what this launch resolved (world size, micro batch, precision...): logged
+    count: Counters  # where the run is (resumed from the checkpoint)
+    tracker: Tracker  # the MLflow run (rank 0; a no-op elsewhere)
+    evals: InTrainingEvals
 
     @property
     def ckpt_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
+    @property
+    def metrics_file(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
     def export(self, out: Path, extra: dict) -> None:
-        """Every rank calls this (ZeRO gathers); rank 0 writes."""
-        module, kind = self.engine.module, self.cfg.objective.kind
-        export_run(module, self.spec, kind, self.objective_options, out, extra, self.rank)
+        """The backbone and objective to `out`. Every rank calls this (ZeRO gathers); rank 0
+        writes."""
+        kind = self.cfg.objective.kind
+        export_run(self.engine.module, self.spec, kind, self.options, out, extra, self.rank)
 
 
-def _setup(cfg: Config, header: str) -> _Setup:
+def setup(cfg: Config, header: str = "") -> Run:
     """Process group, run directory, model (FLOPs counted before any wrapping), data stream,
     DeepSpeed engine."""
     rank, local_rank, world = init_distributed()
     _, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
     manifest, _, _ = check_data(cfg, world)
-    run_dir = _prepare_run_dir(cfg, rank, header)
+
+    run_dir = Path(cfg.run.dir)
+    saved = run_dir / "config.yaml"
+    if rank == 0 and saved.is_file():  # a run directory belongs to one model and objective
+        old = yaml.safe_load(saved.read_text())
+        for section in ("model", "objective"):
+            if old.get(section) != cfg.to_dict()[section]:
+                raise ConfigError(
+                    f"{saved}: this run directory holds a run with a different {section} "
+                    "config; use another run.dir (or delete this one) to start a new run"
+                )
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, saved, header)
+    barrier()
+    checkpoint.check_shared(run_dir, rank)
+    checkpoint.latest_tag(run_dir / "checkpoints")  # a broken pointer fails now, before setup
+
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    objective, objective_options, spec = build_from_config(cfg, manifest)
+    objective, options, spec = build_from_config(cfg, manifest)
     timer = step_timer(objective, spec.in_chans, cfg.model.img_size, micro)
     precision = run_precision(cfg, run_dir, rank, timer)
+
     in_ram, why_ram = resolve_in_memory(cfg.data.in_memory, manifest, cfg.data.split)
-    if rank == 0:
-        log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
     decode = cfg.data.decode
     if decode == "auto":
         decode = "gpu" if device.type == "cuda" and not cfg.data.translate else "cpu"
-    if rank == 0 and not in_ram:
-        log.info("training images decoded on the %s (data.decode=%s)", decode, cfg.data.decode)
+    if rank == 0:
+        log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
+        if not in_ram:
+            log.info("training images decoded on the %s (data.decode=%s)", decode, cfg.data.decode)
+    d = cfg.data
     loader = make_train_loader(
-        cfg.data.root, cfg.data.split, global_batch=cfg.train.global_batch, rank=rank,
-        world_size=world, num_workers=cfg.data.num_workers, img_size=cfg.model.img_size,
-        seed=cfg.run.seed, augment=cfg.data.augment, scale=cfg.data.crop_scale,
-        hflip=cfg.data.hflip, translate=cfg.data.translate, missing=cfg.data.missing_shards,
-        resampled=cfg.data.resampled, decode=decode,
-        retry=Retry(cfg.data.read_retries, timeout=cfg.data.read_timeout),
+        d.root,
+        d.split,
+        global_batch=cfg.train.global_batch,
+        rank=rank,
+        world_size=world,
+        num_workers=d.num_workers,
+        img_size=cfg.model.img_size,
+        seed=cfg.run.seed,
+        augment=d.augment,
+        scale=d.crop_scale,
+        hflip=d.hflip,
+        translate=d.translate,
+        missing=d.missing_shards,
+        resampled=d.resampled,
+        decode=decode,
+        retry=Retry(d.read_retries, timeout=d.read_timeout),
         holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
-        train_fraction=cfg.data.train_fraction,
-        in_memory=in_ram, multiprocessing_context=IN_TRAINING_START,
+        train_fraction=d.train_fraction,
+        in_memory=in_ram,
+        multiprocessing_context=IN_TRAINING_START,
         # batches made on the GPU; decode=gpu on a CPU runs the same code there (tests)
         device=device if device.type == "cuda" or decode == "gpu" else None,
-    )  # fmt: skip
+    )
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * loader.steps_per_epoch)
+
     flops = 0.0
-    if rank == 0:
-        flops = _flops_per_step(objective, cfg, spec.in_chans, cfg.train.global_batch)
+    if rank == 0:  # counted on the plain module: through a ZeRO engine it would be a collective
+        size = cfg.model.img_size  # with two images: every op here is linear in the batch
+        x, y = torch.rand(2, spec.in_chans, size, size), torch.zeros(2, dtype=torch.long)
+        flops = count_train_flops(objective, x, y) / 2 * cfg.train.global_batch
+        objective.zero_grad(set_to_none=True)
+
     optimizer, schedule = make_optimizer(objective, cfg, total_steps)
-    ds_precision = precision if device.type == "cuda" else "fp32"
-    on_gpu, size = device.type == "cuda", model_size(objective)  # ZeRO's bucket sizes
+    ds_precision = precision if device.type == "cuda" else "fp32"  # CPU bf16: autocast
+    size = model_size(objective)  # ZeRO's bucket sizes scale with it
+    on_gpu = device.type == "cuda"
     ds_config = deepspeed_config(cfg, world, micro, accum, ds_precision, on_gpu=on_gpu, **size)
     if rank == 0:
         atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
@@ -211,190 +210,346 @@ def _setup(cfg: Config, header: str) -> _Setup:
         # One rank has no peers: skip the engine's gradient flatten + all-reduce (~1.5 ms of a
         # 220 ms step on 2 CPU cores). ZeRO stages reduce inside their own optimizer.
         engine.enable_backward_allreduce = False
+
     images = total_steps * cfg.train.global_batch
     mode, why = resolve_compile(cfg.train.compile, images, cfg.train.zero_stage, device)
-    compiled = mode == "on" and compile_blocks(engine.module) > 0
+    compiler = BlockCompile(mode, engine.module)
     if rank == 0:
         log.info("torch.compile %s (%s)", "on: each block" if mode == "on" else mode, why)
     cpu_autocast = device.type == "cpu" and precision == "bf16"
-    derived = {"world_size": world, "accum": accum, "micro": micro, "precision": precision,
-               "compile": "trial" if mode == "trial" else compiled,
-               "in_memory": in_ram}  # fmt: skip
-    return _Setup(
-        cfg, rank, world, micro, run_dir, manifest, spec, objective_options, precision,
-        cpu_autocast, loader, total_steps, flops, engine, optimizer, schedule, derived,
-        clip=cfg.optim.grad_clip if clips_in_step(cfg, ds_precision) else 0.0,
+    launch = {"world_size": world, "num_workers": cfg.data.num_workers,
+              "steps_per_epoch": loader.steps_per_epoch, "accum": accum, "micro": micro,
+              "precision": precision, "compile": compiler.param, "in_memory": in_ram}  # fmt: skip
+
+    # Resume (a fresh run finds no checkpoint), then the MLflow run and in-training evaluations
+    state = checkpoint.resume(engine, run_dir / "checkpoints", launch)
+    count = Counters(**{k: int(state.get(k, 0)) for k in Counters().state()})
+    loader.set_epoch(*divmod(count.step - count.replayed_steps, loader.steps_per_epoch))
+    schedule.set(count.step)
+    compiler.start_trial(count.step, total_steps, rank)
+    tracker = open_run_tracker(
+        cfg, run_dir, rank, fresh=count.step == 0, derived=launch, source_run_id=spec.source_run_id
+    )
+    evals = InTrainingEvals(
+        cfg, manifest, spec, rank, world, steps_per_epoch=loader.steps_per_epoch,
+        total_steps=total_steps, autocast=cpu_autocast, state=state,
     )  # fmt: skip
-
-
-class _StepLog:
-    """Metric lines of the logging steps: averaged over ranks, then MLflow and metrics.jsonl
-    (rank 0). The MFU denominators are found once here, at start: the device's published peak
-    (`train/mfu`, the measured one where there is none) and a matmul peak measured now
-    (`train/mfu_measured`), both in the arithmetic of the run's matmuls."""
-
-    def __init__(self, s: _Setup, tracker: Tracker, start_step: int) -> None:
-        self.s, self.tracker, self.peak, self.measured = s, tracker, 0.0, 0.0
-        self.file = s.run_dir / "metrics.jsonl"
-        device = s.engine.device
-        if s.rank == 0:
-            self.peak, self.measured, why = mfu_peaks(s.precision, device)
-            log.info("train/mfu against %s", why)
-        self.window = MetricWindow(device, s.cfg.train.global_batch)
-        if s.rank == 0:
-            self.window.truncate_file(self.file, start_step)  # lines past the resumed checkpoint
-
-    def write(self, n: Counters, grad_norm: float) -> dict[str, float]:
-        s = self.s
-        extra = {
-            "lr": max(s.schedule.get_last_lr()),  # the head's under layer decay
-            "grad_norm": grad_norm,
-            "epoch": n.step / s.loader.steps_per_epoch,
-            "samples_seen": n.step * s.cfg.train.global_batch,
-            "nonfinite_steps": n.nonfinite_total,
-            "skipped_steps": n.skipped_total,
-            "skipped_samples": s.loader.num_skipped,
-            # this rank's reads: shards lost or retried, bytes read (ssl_vit.data.shards)
-            "data/shard_errors": s.loader.counter.shard_errors,
-            "data/read_retries": s.loader.counter.retries,
-            "data/gbytes_read": s.loader.counter.bytes_read / 1e9,
-        }
-        row = self.window.flush(extra, s.flops_per_step, self.peak, s.world, self.measured)
-        if s.rank == 0:
-            save_run_id(self.tracker, s.run_dir / "mlflow_run_id")
-            self.tracker.log_metrics(row, step=n.step)
-            with open(self.file, "a") as f:
-                f.write(json.dumps({"step": n.step, **row}) + "\n")
-        return row
-
-
-def _batches(
-    loader: TrainLoader | MemoryTrainLoader, n: Counters, total_steps: int
-) -> Iterator[tuple]:
-    """(images, labels, seconds waited for them) until `total_steps`, epoch after epoch; the
-    caller advances `n.step`."""
-    while n.step < total_steps:
-        batches = iter(loader)
-        while n.step < total_steps:
-            t0 = time.perf_counter()
-            images, labels = next(batches, (None, None))
-            if images is None:
-                break
-            yield images, labels, time.perf_counter() - t0
-        loader.set_epoch((n.step - n.replayed_steps) // loader.steps_per_epoch)
-
-
-def _save_checkpoint(s: _Setup, n: Counters, evals: InTrainingEvals, tracker: Tracker) -> None:
-    tracker.wait_sent()  # the metrics up to this step outlive a kill right after it (rank 0)
-    state = {
-        **n.state(),
-        "world_size": s.world,
-        "num_workers": s.cfg.data.num_workers,
-        "steps_per_epoch": s.loader.steps_per_epoch,
-        **evals.state(),
-    }
-    checkpoint.save(s.engine, s.ckpt_dir, n.step, state, s.rank, s.cfg.run.keep_checkpoints)
+    peak = peak_measured = 0.0
+    if rank == 0:
+        truncate_metrics(run_dir / "metrics.jsonl", count.step)  # what followed the checkpoint
+        peak, peak_measured, why = mfu_peaks(precision, engine.device)
+        log.info("train/mfu against %s", why)
+    run = Run(
+        cfg=cfg, rank=rank, world=world, micro=micro, run_dir=run_dir, manifest=manifest,
+        spec=spec, options=options, precision=precision, cpu_autocast=cpu_autocast,
+        clip=cfg.optim.grad_clip if clips_in_step(cfg, ds_precision) else 0.0,
+        loader=loader, total_steps=total_steps, flops_per_step=flops, peak=peak,
+        peak_measured=peak_measured, engine=engine, optimizer=optimizer, schedule=schedule,
+        compiler=compiler, launch=launch, count=count, tracker=tracker, evals=evals,
+    )  # fmt: skip
+    evals.export = run.export  # export_best/ is written through the run's export
+    return run
 
 
 def train(cfg: Config, header: str = "") -> Path:
     """Train as `cfg` says (pretraining or fine-tuning); returns the export folder.
 
     Every rank calls this."""
-    s = _setup(cfg, header)
-    launch = {"world_size": s.world, "num_workers": cfg.data.num_workers,
-              "steps_per_epoch": s.loader.steps_per_epoch}  # fmt: skip
-    state = checkpoint.resume(s.engine, s.ckpt_dir, launch)
-    n = Counters(**{k: int(state.get(k, 0)) for k in Counters().state()})
-    s.loader.set_epoch(*divmod(n.step - n.replayed_steps, s.loader.steps_per_epoch))
-    s.schedule.set(n.step)
-    tracker = open_run_tracker(cfg, s.run_dir, s.rank, n.step == 0, s.derived, s.spec.source_run_id)
-    step_log = _StepLog(s, tracker, n.step)
-    progress = TrainProgress(s.total_steps, n.step, enabled=s.rank == 0)
-    trial = start_trial(s.derived["compile"], s.engine.module, n.step, s.total_steps, s.rank)
-    compiled = s.derived["compile"] is True
-
-    def evaluating():  # compiled blocks run eager here: not worth a compile of their own
-        return eager() if (trial.compiled if trial else compiled) else contextlib.nullcontext()
-
-    evals = InTrainingEvals(
-        cfg, s.manifest, s.spec, s.rank, s.world, s.loader.steps_per_epoch,
-        s.total_steps, s.cpu_autocast, state, export=s.export,
-    )  # fmt: skip
+    run = setup(cfg, header)
+    engine, loader, rank, count, tracker = run.engine, run.loader, run.rank, run.count, run.tracker
+    per_epoch, window = loader.steps_per_epoch, MetricWindow(engine.device, cfg.train.global_batch)
+    progress = TrainProgress(run.total_steps, count.step, enabled=rank == 0)
+    meta = {"mlflow_run_id": tracker.run_id, "objective": cfg.objective.kind}  # in each export
     startup.ready()  # everything is loaded: later GC passes skip it (ssl_vit/startup.py)
+
     with tracker:  # ends the MLflow run as FAILED (or KILLED) if training raises
-        for images, labels, t_data in _batches(s.loader, n, s.total_steps):
-            torch.manual_seed(cfg.run.seed * 1_000_003 + s.rank * 7_919 + n.step)
-            log_now = _is_log_step(n.step + 1, cfg.run.log_every, s.total_steps)
-            finite, applied, grad_norm = train_step(
-                s.engine, s.optimizer, images, labels, s.micro, s.cpu_autocast,
-                step_log.window, log_now, s.clip,
+        for images, labels, waited in _batches(loader, count, run.total_steps):
+            # images: (B, C, H, W) uint8, the rank's share of the global batch; labels: (B,)
+            torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + count.step)
+            log_now = (count.step + 1) % cfg.run.log_every == 0 or count.step + 1 == run.total_steps
+            step = optimizer_step(
+                engine, run.optimizer, images, labels, micro=run.micro, autocast=run.cpu_autocast,
+                window=window, want_grad_norm=log_now, clip=run.clip,
             )  # fmt: skip
-            n.step += 1
-            s.schedule.set(n.step)
-            _count_step(n, finite, applied, cfg.run.max_nonfinite_steps, s.ckpt_dir)
-            step_log.window.end_step(t_data)
-            row = step_log.write(n, grad_norm) if log_now else None
-            progress.update(n.step, row)
-            with evaluating():
-                evals.maybe_run(s.engine.module, n.step, tracker)
-            if n.step % cfg.run.checkpoint_every == 0 or n.step == s.total_steps:
-                _save_checkpoint(s, n, evals, tracker)
-            _export_snapshot(s, tracker, n.step)
-            if trial and (measured := trial.after_step(n.step)) and s.rank == 0:
-                tracker.log_metrics(measured, step=n.step)
+            count.step += 1
+            run.schedule.set(count.step)  # the lr of the next step
+            count.nonfinite_in_row = 0 if step.finite else count.nonfinite_in_row + 1
+            count.nonfinite_total += not step.finite
+            count.skipped_total += not step.applied
+            if count.nonfinite_in_row >= cfg.run.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"{count.nonfinite_in_row} steps in a row had a non-finite loss (at step "
+                    f"{count.step}); stopping. The last good checkpoint is kept in "
+                    f"{run.ckpt_dir}; lower optim.lr or check the data"
+                )
+            window.end_step(waited)
+
+            row = None
+            if log_now:  # averaged over ranks (every rank), written by rank 0
+                reads = loader.counter  # this rank's shard reads (ssl_vit.data.shards)
+                extra = {
+                    "lr": max(run.schedule.get_last_lr()),  # the head's under layer decay
+                    "grad_norm": step.grad_norm,
+                    "epoch": count.step / per_epoch,
+                    "samples_seen": count.step * cfg.train.global_batch,
+                    "nonfinite_steps": count.nonfinite_total,
+                    "skipped_steps": count.skipped_total,
+                    "skipped_samples": loader.num_skipped,
+                    "data/shard_errors": reads.shard_errors,
+                    "data/read_retries": reads.retries,
+                    "data/gbytes_read": reads.bytes_read / 1e9,
+                }
+                row = window.flush(
+                    extra, run.flops_per_step, run.peak, run.world, run.peak_measured
+                )
+                if rank == 0:
+                    save_run_id(tracker, run.run_dir / "mlflow_run_id")
+                    tracker.log_metrics(row, step=count.step)
+                    with open(run.metrics_file, "a") as f:
+                        f.write(json.dumps({"step": count.step, **row}) + "\n")
+            progress.update(count.step, row)
+
+            with run.compiler.eager():  # evaluations are not worth a compile of their own
+                run.evals.maybe_run(engine.module, count.step, tracker)
+
+            if count.step % cfg.run.checkpoint_every == 0 or count.step == run.total_steps:
+                tracker.wait_sent()  # the metrics up to this step outlive a kill right after it
+                launch = {k: run.launch[k] for k in checkpoint.LAUNCH_KEYS}
+                saved = {**count.state(), **launch, **run.evals.state()}
+                keep = cfg.run.keep_checkpoints
+                checkpoint.save(engine, run.ckpt_dir, count.step, saved, rank, keep)
+            for epoch in cfg.run.export_epochs:  # snapshots at the end of chosen epochs
+                if count.step == epoch * per_epoch:
+                    extra = {**meta, "step": count.step, "epoch": epoch}
+                    run.export(run.run_dir / f"export_epoch{epoch}", extra)
+            measured = run.compiler.after_step(count.step)  # the compile trial's verdict, once
+            if measured and rank == 0:
+                tracker.log_metrics(measured, step=count.step)
         progress.close()
-        with evaluating():
-            export_dir = _finish(s, tracker, evals, n)
-        if trial:
-            trial.close()
+
+        export_dir = run.run_dir / "export"
+        with run.compiler.eager():
+            run.export(export_dir, {**meta, "step": count.step})  # every rank: ZeRO gathers
+            if rank == 0:
+                plot = write_loss_plot(run.metrics_file, run.run_dir / "loss_curve.png")
+                tracker.log_artifact(export_dir, artifact_path="export")
+                if plot is not None:
+                    tracker.log_artifact(plot)
+                run.evals.write_results(run.run_dir / "results.json", tracker)
+                tracker.close()
+                if cfg.tracking.register_as:
+                    register_run(tracker, cfg.tracking.register_as, run.run_dir)
+                done = "done: %d steps; backbone exported to %s; MLflow run %s"
+                log.info(done, count.step, export_dir, tracker.run_id)
+        run.compiler.close()
     barrier()
     sys.stdout.flush()
     return export_dir
 
 
-def _export_snapshot(s: _Setup, tracker: Tracker, step: int) -> None:
-    """RUN/export_epoch<E>/ once `step` ends epoch E of `run.export_epochs` (every rank); an
-    epoch the run does not reach gets none."""
-    for epoch in s.cfg.run.export_epochs:
-        if step == epoch * s.loader.steps_per_epoch:
-            extra = {"mlflow_run_id": tracker.run_id, "step": step, "epoch": epoch,
-                     "objective": s.cfg.objective.kind}  # fmt: skip
-            s.export(s.run_dir / f"export_epoch{epoch}", extra)
+def _batches(
+    loader: TrainLoader | MemoryTrainLoader, count: Counters, total_steps: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(images, labels, seconds waited for them) until `total_steps`, epoch after epoch; the
+    caller advances `count.step`."""
+    while count.step < total_steps:
+        batches = iter(loader)
+        while count.step < total_steps:
+            t0 = time.perf_counter()
+            images, labels = next(batches, (None, None))
+            if images is None:
+                break
+            yield images, labels, time.perf_counter() - t0
+        loader.set_epoch((count.step - count.replayed_steps) // loader.steps_per_epoch)
 
 
-def _count_step(n: Counters, finite: bool, applied: bool, max_in_row: int, ckpt_dir: Path):
-    n.nonfinite_in_row = 0 if finite else n.nonfinite_in_row + 1
-    n.nonfinite_total += not finite
-    n.skipped_total += not applied
-    if n.nonfinite_in_row >= max_in_row:
-        raise NonFiniteLossError(
-            f"{n.nonfinite_in_row} steps in a row had a non-finite loss (at step {n.step}); "
-            f"stopping. The last good checkpoint is kept in {ckpt_dir}; lower optim.lr or "
-            "check the data"
-        )
+@dataclass
+class StepResult:
+    finite: bool  # every rank's loss was finite (else the step was skipped on every rank)
+    applied: bool  # the optimizer moved the weights (False on an fp16 overflow too)
+    grad_norm: float  # the global gradient norm (0 unless asked for)
 
 
-def _finish(s: _Setup, tracker: Tracker, evals: InTrainingEvals, n: Counters) -> Path:
-    """Export the backbone (every rank: ZeRO gathers), then plot and log (rank 0)."""
-    cfg, run_dir = s.cfg, s.run_dir
-    export_dir = run_dir / "export"
-    s.export(
-        export_dir,
-        {"mlflow_run_id": tracker.run_id, "step": n.step, "objective": cfg.objective.kind},
+def optimizer_step(
+    engine: deepspeed.DeepSpeedEngine,
+    optimizer: torch.optim.Optimizer,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    micro: int,
+    autocast: bool,
+    window: MetricWindow,
+    want_grad_norm: bool,
+    clip: float = 0.0,
+) -> StepResult:
+    """One optimizer step over the rank's batch, in micro-batches of `micro`: uint8 images to
+    [0, 1] floats on the device, the objective's forward (under CPU bf16 `autocast`), backward,
+    step. `clip` > 0: clip the gradients to that global norm here, before the engine steps
+    (ZeRO-0 fp32, ssl_vit.engine.optim.clips_in_step); 0: the engine clips (or nothing does).
+
+    A non-finite loss on any rank skips the optimizer step on every rank (weights and moments
+    untouched); the step still counts, so the data and schedule stay aligned.
+    """
+    device = engine.device
+    images = images.to(device, non_blocking=True).float().div_(255)  # (B, C, H, W) in [0, 1]
+    labels = labels.to(device, non_blocking=True)
+    chunks = list(zip(images.split(micro), labels.split(micro), strict=True))
+    bad = torch.zeros((), device=device)
+    grad_norm, finite = 0.0, True
+    for i, (x, y) in enumerate(chunks):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss, metrics = engine(x, y)  # the objective: (scalar loss, {name: scalar})
+        bad += ~torch.isfinite(loss.detach())
+        engine.backward(loss)
+        if i == len(chunks) - 1:  # the accumulation boundary: grads are all-reduced now
+            finite = all_reduce_sum(bad).item() == 0
+            optimizer.skip = not finite  # ZeRO-1/2 call step() once per param group: all skip
+            if clip > 0:  # whole gradients, averaged over ranks by the backward just done
+                norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), clip)
+                grad_norm = float(norm) if want_grad_norm else 0.0  # a sync on log steps only
+            elif want_grad_norm:
+                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        engine.step()
+        optimizer.skip = False
+        window.add(loss.detach(), metrics)
+    applied = finite and engine.was_step_applied()  # False on an fp16 overflow too
+    reported = engine.get_global_grad_norm()  # set under ZeRO / half precision only
+    if want_grad_norm and reported is not None:
+        grad_norm = float(reported)
+    return StepResult(finite, applied, grad_norm)
+
+
+class MetricWindow:
+    """Sums step metrics as tensors (no host sync per step); `flush` averages over ranks."""
+
+    def __init__(self, device: torch.device, global_batch: int) -> None:
+        self.device = device
+        self.global_batch = global_batch
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+        self.steps = 0
+        self.data_s = 0.0
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+        """One micro-batch's loss and metrics (scalar tensors)."""
+        for key, value in {"loss": loss, **metrics}.items():
+            value = value.detach().float()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+        self.count += 1
+
+    def end_step(self, data_wait_s: float) -> None:
+        self.steps += 1
+        self.data_s += data_wait_s
+
+    def flush(
+        self,
+        extra: dict[str, float],
+        flops_per_step: float,
+        peak: float,
+        world: int,
+        measured_peak: float = 0.0,
+    ) -> dict[str, float]:
+        """Everything for one log line / MLflow point, identical on every rank. `peak` and
+        `measured_peak` are one device's FLOP/s (ssl_vit.perf.mfu_peaks): model FLOP
+        utilisation against each, over `world` devices."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        keys = sorted(self.sums)
+        count = torch.tensor(float(self.count), device=self.device)
+        values = all_reduce_sum(torch.stack([self.sums[k] for k in keys] + [count])).tolist()
+        row = {f"train/{k}": v / values[-1] for k, v in zip(keys, values[:-1], strict=True)}
+        row["train/images_per_s"] = self.steps * self.global_batch / elapsed
+        row["train/data_wait_share"] = self.data_s / elapsed
+        if flops_per_step:
+            flops_per_s = row["train/model_flops_per_s"] = flops_per_step * self.steps / elapsed
+            if peak:  # the published peak where known, else the measured one
+                row["train/mfu"] = flops_per_s / (peak * world)
+            if measured_peak:  # the matmul peak measured at start
+                row["train/mfu_measured"] = flops_per_s / (measured_peak * world)
+        row.update({f"train/{k}": float(v) for k, v in extra.items()})
+        self._reset()
+        return row
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep only metric lines up to `step`: a resumed run re-logs the steps after its checkpoint."""
+    if path.is_file():
+        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+
+
+class TrainProgress:
+    """tqdm on a terminal (rank 0); plain log lines at each logging step otherwise."""
+
+    SHOWN = (
+        "loss",
+        "mpp/acc",
+        "sup/acc",
+        "lr",
+        "grad_norm",
+        "images_per_s",
+        "data_wait_share",
+        "mfu",
     )
-    if s.rank == 0:
-        plot = write_loss_plot(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
-        tracker.log_artifact(export_dir, artifact_path="export")
-        if plot is not None:
-            tracker.log_artifact(plot)
-        evals.write_results(run_dir / "results.json", tracker)
-        tracker.close()
-        if cfg.tracking.register_as:
-            register_run(tracker, cfg.tracking.register_as, run_dir)
-        log.info(
-            "done: %d steps; backbone exported to %s; MLflow run %s",
-            n.step,
-            export_dir,
-            tracker.run_id,
-        )
-    return export_dir
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.enabled, self.total, self.bar = enabled, total, None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, row: dict[str, float] | None) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.n = step
+            if row:
+                loss, speed = row["train/loss"], row["train/images_per_s"]
+                self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{speed:.0f}")
+            self.bar.refresh()
+        elif row:
+            shown = {k.removeprefix("train/"): v for k, v in row.items()}
+            text = " ".join(
+                f"{k}={v:.4g}" for k, v in shown.items() if k in self.SHOWN or k.startswith("acc")
+            )
+            log.info("step %d/%d %s", step, self.total, text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def write_loss_plot(metrics_file: Path, out: Path) -> Path | None:
+    """Loss (and accuracy, when logged) against step, from the run's metrics.jsonl."""
+    if not metrics_file.is_file():
+        return None
+    rows = [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc_keys = [k for k in rows[-1] if k.endswith("/acc") and k.startswith("train/")]
+    fig, axes = plt.subplots(1, 1 + bool(acc_keys), figsize=(5 + 5 * bool(acc_keys), 3.6))
+    axes = axes if acc_keys else [axes]
+    steps = [r["step"] for r in rows]
+    axes[0].plot(steps, [r["train/loss"] for r in rows])
+    axes[0].set(xlabel="step", ylabel="training loss", title="Loss")
+    axes[0].grid(alpha=0.3)
+    for key in acc_keys:
+        axes[1].plot(steps, [r.get(key, float("nan")) for r in rows], label=key[6:])
+    if acc_keys:
+        axes[1].set(xlabel="step", ylabel="accuracy", title="Training accuracy")
+        axes[1].legend()
+        axes[1].grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
