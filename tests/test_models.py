@@ -258,3 +258,25 @@ def test_layer_decay_gives_each_block_its_lr_and_keeps_the_decay_exemptions():
     assert wd[id(named["backbone.blocks.0.mlp.fc1.weight"])] == 0.05
     for exempt in ("backbone.pos_embed", "backbone.blocks.0.norm1.weight", "head.bias"):
         assert wd[id(named[exempt])] == 0.0, exempt
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_mpp_token_path_matches_timm_forward_features(dynamic):
+    """MPP drives timm's ViT in two halves through its private `_pos_embed` (no public twin):
+    with nothing corrupted, the halves must give timm's own forward_features. A timm release
+    that changes `_pos_embed` fails here (pyproject pins the range this was tested on)."""
+    from ssl_vit.objectives.tokens import embed_patches, encode_patches
+
+    torch.manual_seed(0)
+    kwargs = {"dynamic_img_size": True} if dynamic else {}
+    model = build_backbone(
+        "vit_tiny_patch16_224", img_size=28, in_chans=1, patch_size=7, embed_dim=32, depth=2,
+        num_heads=2, reg_tokens=2, **kwargs,
+    )  # fmt: skip
+    model.eval()
+    x = torch.rand(3, 1, 28, 28)
+    with torch.no_grad():
+        ours = encode_patches(model, embed_patches(model, x), (4, 4))
+        theirs = model.forward_features(x)
+    assert ours.shape == theirs.shape == (3, 1 + 2 + 16, 32)
+    torch.testing.assert_close(ours, theirs)

@@ -10,11 +10,15 @@ import torch
 
 from ssl_vit.models import build_backbone
 from ssl_vit.objectives import build_objective, param_groups
-from ssl_vit.objectives.corruption import KEPT, MASK, RANDOM, apply_corruption, draw_corruption
 from ssl_vit.objectives.mpp import (
+    KEPT,
+    MASK,
+    RANDOM,
     MaskedPatchPrediction,
+    apply_corruption,
     decode_color_classes,
     downsized_color_targets,
+    draw_corruption,
     mean_color_targets,
     patch_pixel_targets,
 )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from ssl_vit.config import Config, ConfigError
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.models import build_backbone, export_backbone, load_backbone
 from ssl_vit.models.export import record_files
-from ssl_vit.objectives import build_objective, objective_options
+from ssl_vit.objectives import build_objective, options_from_config
 from ssl_vit.objectives.export import META as OBJECTIVE_META
 from ssl_vit.objectives.export import WEIGHTS as OBJECTIVE_WEIGHTS
 from ssl_vit.objectives.export import save_objective
@@ -63,17 +62,8 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
         except (ValueError, TypeError) as e:  # unknown arch, kwargs timm does not take
             raise ConfigError(f"model.arch={m.arch!r} with model.kwargs={m.kwargs}: {e}") from None
         spec = ModelSpec(m.arch, kwargs, in_chans, manifest.mean, manifest.std)
-    # objective.* keys are named as the objectives' arguments: pass the ones this kind takes
-    available = {
-        **dataclasses.asdict(o),
-        "patch_size": None,  # MPP reads the pixels per token from the backbone (a hybrid's
-        # token covers the stem's stride times model.patch_size)
-        "in_chans": spec.in_chans,
-        "num_classes": manifest.num_classes,
-        "coarse_sizes": [int(s) for s in o.cascade_sizes],  # the cascade's coarser stages
-    }
-    wanted = objective_options(o.kind)
-    options = {k: v for k, v in available.items() if k in wanted}
+    num_classes = manifest.num_classes
+    options = options_from_config(o, in_chans=spec.in_chans, num_classes=num_classes)
     objective = build_objective(o.kind, backbone, mean=spec.mean, std=spec.std, **options)
     return objective, options, spec
 

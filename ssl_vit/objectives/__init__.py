@@ -1,5 +1,5 @@
-"""Training objectives: nn.Modules called as `objective(images01, labels)` ->
-`(loss, metrics)`, each with a `.backbone`.
+"""Training objectives: nn.Modules called as `objective(images01, labels)` -> `(loss, metrics)`,
+each with a `.backbone`.
 
 - "mpp": MaskedPatchPrediction (paper sec. 4.6), ssl_vit.objectives.mpp
 - "supervised": SupervisedObjective (sec. 4.1), ssl_vit.objectives.supervised
@@ -8,25 +8,26 @@
 - "cascade": CascadeObjective, a Dynamic ViT cascade (sum of the stages' cross-entropies),
   ssl_vit.objectives.cascade
 
-Weight decay: `param_groups(objective, weight_decay)` gives the optimizer's two groups.
+`options_from_config` maps the `objective.*` config keys to one kind's options; `build_objective`
+builds it. Weight decay: `param_groups(objective, weight_decay)` gives the optimizer's two groups.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
+from timm.optim import param_groups_weight_decay
 from torch import nn
 
-from ssl_vit.config import OBJECTIVE_KINDS
+from ssl_vit.config import OBJECTIVE_KINDS, ObjectiveConfig
 from ssl_vit.objectives.cascade import CascadeObjective
 from ssl_vit.objectives.mpp import MaskedPatchPrediction, MPPPrediction
-from ssl_vit.objectives.param_groups import no_weight_decay_names, param_groups
 from ssl_vit.objectives.supervised import JointObjective, SupervisedObjective
 
 __all__ = [
     "build_objective",
+    "options_from_config",
     "MaskedPatchPrediction",
     "MPPPrediction",
     "SupervisedObjective",
@@ -35,32 +36,70 @@ __all__ = [
     "param_groups",
     "no_weight_decay_names",
     "OBJECTIVES",
-    "objective_options",
+    "OPTIONS",
 ]
 
+# The keyword options of each objective (besides backbone, mean and std), as its class takes them
+MPP_OPTIONS = ("patch_size", "in_chans", "corrupt_ratio", "mask_prob", "random_prob", "target",
+               "bits", "downsize", "normalize_pixels", "head_hidden")  # fmt: skip
+SUPERVISED_OPTIONS = ("num_classes", "label_smoothing", "head_hidden", "head")
+CASCADE_OPTIONS = ("num_classes", "coarse_sizes", "feature_reuse", "relation_reuse",
+                   "label_smoothing")  # fmt: skip
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "mpp": MPP_OPTIONS,
+    "supervised": SUPERVISED_OPTIONS,
+    "joint": (*MPP_OPTIONS, *SUPERVISED_OPTIONS, "mpp_weight", "supervised_weight"),
+    "finetune": SUPERVISED_OPTIONS,
+    "cascade": CASCADE_OPTIONS,
+}
 
-def _joint(backbone: nn.Module, **cfg: Any) -> JointObjective:
-    weights = {k: cfg.pop(k) for k in ("mpp_weight", "supervised_weight") if k in cfg}
+
+def options_from_config(o: ObjectiveConfig, *, in_chans: int, num_classes: int | None) -> dict:
+    """The `objective.*` config keys (and the data's channels and classes) as the options of
+    the objective `o.kind`: what `build_objective` takes and the export records."""
+    mpp = {"in_chans": in_chans, "corrupt_ratio": o.corrupt_ratio, "mask_prob": o.mask_prob,
+           "random_prob": o.random_prob, "target": o.target, "bits": o.bits}  # fmt: skip
+    supervised = {"num_classes": num_classes, "label_smoothing": o.label_smoothing}
+    if o.kind == "mpp":
+        return mpp
+    if o.kind in ("supervised", "finetune"):
+        return supervised
+    if o.kind == "joint":
+        weights = {"mpp_weight": o.mpp_weight, "supervised_weight": o.supervised_weight}
+        return {**mpp, **supervised, **weights}
+    return {  # cascade: the coarser stages' image sizes (the finest is model.img_size)
+        **supervised,
+        "coarse_sizes": [int(s) for s in o.cascade_sizes],
+        "feature_reuse": o.feature_reuse,
+        "relation_reuse": o.relation_reuse,
+    }
+
+
+def _joint(backbone: nn.Module, mpp_weight: float = 1.0, supervised_weight: float = 1.0,
+           **options: Any) -> JointObjective:  # fmt: skip
+    mean, std = options.pop("mean"), options.pop("std")
+    mpp = {k: v for k, v in options.items() if k in MPP_OPTIONS}
+    supervised = {k: v for k, v in options.items() if k in SUPERVISED_OPTIONS}
     return JointObjective(
-        MaskedPatchPrediction(backbone, **_split(MaskedPatchPrediction, cfg)),
-        SupervisedObjective(backbone, **_split(SupervisedObjective, cfg)),
-        **weights,
+        MaskedPatchPrediction(backbone, mean=mean, std=std, **mpp),
+        SupervisedObjective(backbone, mean=mean, std=std, **supervised),
+        mpp_weight=mpp_weight,
+        supervised_weight=supervised_weight,
     )
 
 
-def _finetune(backbone: nn.Module, **cfg: Any) -> SupervisedObjective:
-    return SupervisedObjective(backbone, **{"head": "linear", **cfg})
+def _finetune(backbone: nn.Module, **options: Any) -> SupervisedObjective:
+    return SupervisedObjective(backbone, **{"head": "linear", **options})
 
 
-# The registry: kind -> (builder, the classes whose keyword arguments are its options). A new
-# objective is one line here and its name in ssl_vit.config.OBJECTIVE_KINDS (which validation
-# reads without importing torch).
-OBJECTIVES: dict[str, tuple[Callable[..., nn.Module], tuple[Any, ...]]] = {
-    "mpp": (MaskedPatchPrediction, (MaskedPatchPrediction,)),
-    "supervised": (SupervisedObjective, (SupervisedObjective,)),
-    "joint": (_joint, (MaskedPatchPrediction, SupervisedObjective, JointObjective)),
-    "finetune": (_finetune, (SupervisedObjective,)),
-    "cascade": (CascadeObjective, (CascadeObjective,)),
+# kind -> builder. A new objective is one line here, its options in OPTIONS and its name in
+# ssl_vit.config.OBJECTIVE_KINDS (which validation reads without importing torch).
+OBJECTIVES: dict[str, Callable[..., nn.Module]] = {
+    "mpp": MaskedPatchPrediction,
+    "supervised": SupervisedObjective,
+    "joint": _joint,
+    "finetune": _finetune,
+    "cascade": CascadeObjective,
 }
 if tuple(OBJECTIVES) != OBJECTIVE_KINDS:
     raise ImportError(
@@ -69,39 +108,55 @@ if tuple(OBJECTIVES) != OBJECTIVE_KINDS:
     )
 
 
-def _keywords(cls: type) -> set[str]:
-    skip = ("self", "backbone", "mpp", "supervised")
-    return {p for p in inspect.signature(cls.__init__).parameters if p not in skip}
+def build_objective(kind: str, backbone: nn.Module, **options: Any) -> nn.Module:
+    """Build an objective by name with the paper's defaults (ssl_vit.recipe) for any option not
+    given; every kind needs the input normalisation `mean` and `std`, and takes `OPTIONS[kind]`.
 
-
-def _split(cls: type, cfg: dict[str, Any]) -> dict[str, Any]:
-    keys = _keywords(cls)
-    return {k: v for k, v in cfg.items() if k in keys}
-
-
-def objective_options(kind: str) -> set[str]:
-    """The option names the objective `kind` takes (besides the backbone)."""
-    if kind not in OBJECTIVES:
-        raise ValueError(f"objective {kind!r}: choose one of {tuple(OBJECTIVES)}")
-    return set().union(*(_keywords(c) for c in OBJECTIVES[kind][1]))
-
-
-def build_objective(kind: str, backbone: nn.Module, **cfg: Any) -> nn.Module:
-    """Build an objective by name with the paper's defaults (ssl_vit.recipe) for anything not
-    in `cfg`.
-
-    mpp: mean, std (required); the `MaskedPatchPrediction` options.
-    supervised: num_classes, mean, std (required); label_smoothing=0.0, head_hidden=None.
+    mpp: the `MaskedPatchPrediction` options.
+    supervised: num_classes (required); label_smoothing=0.0, head_hidden=None.
     joint: the union of both, plus mpp_weight=1.0, supervised_weight=1.0.
     finetune: as supervised, with the zero-initialised linear head (appendix B.1.1).
-    cascade: num_classes, mean, std (required); coarse_sizes=(14, 28), feature_reuse=True,
+    cascade: num_classes (required); coarse_sizes=(14, 28), feature_reuse=True,
         relation_reuse=True, label_smoothing=0.0 (a CascadeViT around the backbone).
     """
-    known = objective_options(kind)
-    unknown = sorted(set(cfg) - known)
+    if kind not in OBJECTIVES:
+        raise ValueError(f"objective {kind!r}: choose one of {tuple(OBJECTIVES)}")
+    unknown = sorted(set(options) - {"mean", "std", *OPTIONS[kind]})
     if unknown:
-        raise ValueError(f"objective {kind!r}: unknown option(s) {unknown}; known: {sorted(known)}")
+        raise ValueError(f"objective {kind!r}: unknown option(s) {unknown}; known: {OPTIONS[kind]}")
     try:
-        return OBJECTIVES[kind][0](backbone, **cfg)
+        return OBJECTIVES[kind](backbone, **options)
     except TypeError as e:  # a missing required option, e.g. num_classes
         raise ValueError(f"objective {kind!r}: {e}") from e
+
+
+# Exempt from weight decay besides biases and norm scales (ndim <= 1): position embeddings and
+# special tokens (the usual ViT practice; the paper's high weight decay, appendix B.1, is meant
+# for the weights).
+_TOKEN_NAMES = ("pos_embed", "cls_token", "reg_token", "dist_token", "mask_token")
+
+
+def no_weight_decay_names(module: nn.Module) -> set[str]:
+    """Names of trainable parameters of `module` that get no weight decay."""
+    declared = set(getattr(module, "no_weight_decay", set)())
+    return {
+        name
+        for name, p in module.named_parameters()
+        if p.requires_grad
+        and (p.ndim <= 1 or name in declared or name.rsplit(".", 1)[-1] in _TOKEN_NAMES)
+    }
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Two optimizer groups, decayed first: [{"params": decayed, "weight_decay": wd},
+    {"params": rest, "weight_decay": 0.0}] (timm's split, with our exemptions).
+
+    Pass the objective (not only the backbone) so the heads and the mask token are included.
+    """
+    exempt = no_weight_decay_names(module)
+    groups = param_groups_weight_decay(module, float(weight_decay), no_weight_decay_list=exempt)
+    split = {bool(g["weight_decay"]): g["params"] for g in groups}  # timm omits an empty group
+    return [
+        {"params": split.get(True, []), "weight_decay": float(weight_decay)},
+        {"params": split.get(False, []), "weight_decay": 0.0},
+    ]

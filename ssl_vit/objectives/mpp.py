@@ -26,20 +26,6 @@ from torch import nn
 
 from ssl_vit.models.backbones import is_hybrid, token_geometry
 from ssl_vit.models.heads import PretrainHead
-from ssl_vit.objectives.corruption import (
-    Corruption,
-    apply_corruption,
-    draw_corruption,
-    visible_pixels,
-)
-from ssl_vit.objectives.targets import (
-    color_class,
-    decode_color_classes,
-    downsized_color_targets,
-    mean_color_targets,
-    patch_pixel_targets,
-    quantize,
-)
 from ssl_vit.objectives.tokens import (
     embed_dim,
     embed_patches,
@@ -61,6 +47,183 @@ __all__ = [
     "apply_corruption",
     "Corruption",
 ]
+
+
+# Corruption of patch embeddings (sec. 4.6, B.1.2): drawn on the tokens' device with torch ops
+# (top-k of uniform noise, uniform kind draws, random offsets), so a step never waits on the host
+
+MASK, RANDOM, KEPT = CorruptionKind.MASK, CorruptionKind.RANDOM, CorruptionKind.KEPT
+
+
+@dataclass
+class Corruption:
+    """Which patches are corrupted and how.
+
+    positions: (B, M) int64 patch indices (distinct within a row).
+    kinds: (B, M) int64 `CorruptionKind` codes (MASK, RANDOM, KEPT).
+    sources: (B, M) int64 patch whose embedding replaces a RANDOM position (same image; never
+        the position itself); only read where kinds == 1.
+    """
+
+    positions: torch.Tensor
+    kinds: torch.Tensor
+    sources: torch.Tensor
+
+
+def draw_corruption(
+    batch: int,
+    num_patches: int,
+    num_corrupt: int,
+    *,
+    mask_prob: float = MPP.mask_prob,
+    random_prob: float = MPP.random_prob,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> Corruption:
+    """Pick exactly `num_corrupt` distinct patches per image, then a kind for each.
+
+    The kind of each corrupted patch is drawn independently (mask with `mask_prob`, random with
+    `random_prob`, else kept), as in BERT: the split is exact in expectation for any M, where
+    fixed per-image counts would round 10% of a small M (e.g. 25 on 28x28 / patch 4) to 2 or 3.
+
+    The random replacement is another patch *of the same image*, uniform over the N - 1 others
+    (position + uniform offset in [1, N) mod N, so never itself). Same-image sources keep the
+    objective independent of batch composition (per-rank batch size, a batch of one in the
+    inspection tool) and make the intruder plausible in colour and texture, so the model must
+    use context rather than image-level statistics to spot it. The source's *uncorrupted*
+    embedding is used.
+    """
+    if not 0 < num_corrupt <= num_patches:
+        raise ValueError(f"num_corrupt must be in [1, {num_patches}], got {num_corrupt}")
+    if mask_prob < 0 or random_prob < 0 or mask_prob + random_prob > 1:
+        raise ValueError(
+            f"need mask_prob, random_prob >= 0 with sum <= 1, got {mask_prob}, {random_prob}"
+        )
+    if random_prob > 0 and num_patches < 2:
+        raise ValueError("random replacement needs at least 2 patches per image")
+    noise = torch.rand(batch, num_patches, device=device, generator=generator)
+    positions = noise.topk(num_corrupt, dim=1, sorted=False).indices  # (B, M), a random subset
+    u = torch.rand(batch, num_corrupt, device=device, generator=generator)
+    kinds = (u >= mask_prob).long() + (u >= mask_prob + random_prob).long()  # (B, M) in {0, 1, 2}
+    offsets = torch.randint(
+        1, max(num_patches, 2), (batch, num_corrupt), device=device, generator=generator
+    )
+    sources = (positions + offsets) % num_patches  # (B, M), never equal to positions
+    return Corruption(positions, kinds, sources)
+
+
+def apply_corruption(
+    tokens: torch.Tensor, corruption: Corruption, mask_token: torch.Tensor
+) -> torch.Tensor:
+    """Return a corrupted copy of patch embeddings (B, N, D); `mask_token` is (D,).
+
+    Kept and uncorrupted positions are bit-identical to the input; gradients flow to the
+    mask token and to the (uncorrupted) embeddings that were copied or kept.
+    """
+    D = tokens.shape[-1]
+    idx = corruption.positions.unsqueeze(-1).expand(-1, -1, D)  # (B, M, D)
+    orig = tokens.gather(1, idx)  # (B, M, D)
+    src = tokens.gather(1, corruption.sources.unsqueeze(-1).expand(-1, -1, D))  # (B, M, D)
+    kind = corruption.kinds.unsqueeze(-1)  # (B, M, 1)
+    new = torch.where(kind == int(RANDOM), src, orig)
+    new = torch.where(kind == int(MASK), mask_token.to(tokens.dtype), new)
+    return tokens.scatter(1, idx, new)
+
+
+def visible_pixels(corruption: Corruption, grid: tuple[int, int], patch_px: int) -> torch.Tensor:
+    """(B, 1, H, W) mask, 0 on the pixels of masked and replaced patches, 1 elsewhere.
+
+    For backbones whose patch embedding sees beyond its own patch (a hybrid's ResNet stem):
+    multiplying the normalised image by it hides what a corrupted patch held from its
+    neighbours' receptive fields. Kept patches stay visible, as their embeddings do.
+    """
+    B = corruption.positions.shape[0]
+    hidden = (corruption.kinds != int(KEPT)).float()  # (B, M)
+    grid_hidden = torch.zeros(B, grid[0] * grid[1], device=hidden.device)
+    grid_hidden.scatter_(1, corruption.positions, hidden)  # (B, N)
+    up = grid_hidden.view(B, 1, *grid).repeat_interleave(patch_px, 2).repeat_interleave(patch_px, 3)
+    return 1.0 - up  # (B, 1, gh * P, gw * P)
+
+
+# Prediction targets, from the un-normalised image in [0, 1] (B.1.2). A channel value v in [0, 1]
+# falls in level floor(v * 2^bits), v = 1.0 in the top level; a patch's class is its channel
+# levels read as digits in base 2^bits, first channel most significant (RGB, 3 bits: class =
+# 64 r + 8 g + b, 512 classes; gray: 8). Patch pixels are flattened in (P, P, C) order.
+
+
+def quantize(values: torch.Tensor, bits: int = MPP.bits) -> torch.Tensor:
+    """[0, 1] values -> int64 levels in [0, 2^bits - 1] (bins of width 2^-bits, 1.0 in the top)."""
+    levels = 1 << bits
+    return (values.float() * levels).floor_().clamp_(0, levels - 1).long()
+
+
+def color_class(levels: torch.Tensor, bits: int = MPP.bits) -> torch.Tensor:
+    """(..., C) channel levels -> (...) class index in [0, 2^(bits*C))."""
+    weights = (1 << bits) ** torch.arange(levels.shape[-1] - 1, -1, -1, device=levels.device)
+    return (levels * weights).sum(-1)
+
+
+def decode_color_classes(
+    classes: torch.Tensor, *, bits: int = MPP.bits, in_chans: int = 3
+) -> torch.Tensor:
+    """Inverse of quantise + color_class: (...) classes -> (..., C) bin-centre colours in [0, 1]."""
+    levels = 1 << bits
+    place = levels ** torch.arange(in_chans - 1, -1, -1, device=classes.device)
+    digits = (classes.unsqueeze(-1) // place) % levels
+    return (digits.float() + 0.5) / levels
+
+
+def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, P, P, C), patches in row-major grid order (as timm's tokens)."""
+    B, C, H, W = images.shape
+    P = patch_size
+    if H % P or W % P:
+        raise ValueError(f"image {H}x{W} is not divisible by patch size {P}")
+    x = images.reshape(B, C, H // P, P, W // P, P)
+    return x.permute(0, 2, 4, 3, 5, 1).reshape(B, (H // P) * (W // P), P, P, C)
+
+
+def mean_color_targets(images: torch.Tensor, patch_size: int, bits: int = MPP.bits) -> torch.Tensor:
+    """The paper's target: each patch's mean colour, `bits` per channel -> (B, N) int64 classes
+    in [0, 2^(bits*C)) (512 for RGB at 3 bits, 8 for grayscale)."""
+    means = F.avg_pool2d(images.float(), patch_size)  # (B, C, gh, gw)
+    means = means.flatten(2).transpose(1, 2)  # (B, N, C)
+    return color_class(quantize(means, bits), bits)
+
+
+def downsized_color_targets(
+    images: torch.Tensor, patch_size: int, bits: int = MPP.bits, size: int = MPP.downsize
+) -> torch.Tensor:
+    """Each patch downsized to size x size (area average) in `bits`-bit colour ->
+    (B, N, size*size) int64 classes: size^2 parallel 2^(bits*C)-way predictions."""
+    if patch_size < size:
+        raise ValueError(f"patch size {patch_size} is smaller than the downsized size {size}")
+    images = images.float()
+    B, C = images.shape[:2]
+    if patch_size % size == 0:  # one pooling pass over the whole image
+        small = F.avg_pool2d(images, patch_size // size)  # (B, C, gh*s, gw*s)
+        gh, gw = small.shape[2] // size, small.shape[3] // size
+        cells = small.reshape(B, C, gh, size, gw, size).permute(0, 2, 4, 3, 5, 1)
+        cells = cells.reshape(B, gh * gw, size * size, C)
+    else:  # e.g. 7x7 patches: adaptive (overlapping) area bins per patch
+        p = patchify(images, patch_size)  # (B, N, P, P, C)
+        N = p.shape[1]
+        p = p.permute(0, 1, 4, 2, 3).reshape(B * N, C, patch_size, patch_size)
+        cells = F.adaptive_avg_pool2d(p, size).reshape(B, N, C, size * size).transpose(2, 3)
+    return color_class(quantize(cells, bits), bits)  # (B, N, s*s)
+
+
+def patch_pixel_targets(
+    images: torch.Tensor, patch_size: int, normalize: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
+    """Full patches for L2 regression -> (B, N, P*P*C) float; with `normalize` each patch is
+    shifted and scaled to zero mean and unit variance over its own pixels."""
+    p = patchify(images.float(), patch_size).flatten(2)  # (B, N, P*P*C)
+    if normalize:
+        mean = p.mean(-1, keepdim=True)
+        var = p.var(-1, keepdim=True, unbiased=False)
+        p = (p - mean) / (var + eps).sqrt()
+    return p
 
 
 @dataclass
