@@ -100,8 +100,12 @@ class ModelConfig:
 
     def backbone_kwargs(self, in_chans: int) -> dict[str, Any]:
         """The `build_backbone` keyword arguments for a fresh (not `init_from`) backbone."""
-        return {"img_size": self.img_size, "in_chans": in_chans, "patch_size": self.patch_size,
-                **self.kwargs}  # fmt: skip
+        return {
+            "img_size": self.img_size,
+            "in_chans": in_chans,
+            "patch_size": self.patch_size,
+            **self.kwargs,
+        }
 
 
 @dataclass

@@ -52,8 +52,14 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"model.init_from: {e}") from None
         kwargs = {**meta["kwargs"], "img_size": m.img_size}
-        spec = ModelSpec(meta["arch"], kwargs, kwargs["in_chans"], meta["mean"], meta["std"],
-                         source.run_id or meta.get("mlflow_run_id"))  # fmt: skip
+        spec = ModelSpec(
+            meta["arch"],
+            kwargs,
+            kwargs["in_chans"],
+            meta["mean"],
+            meta["std"],
+            source.run_id or meta.get("mlflow_run_id"),
+        )
     else:
         in_chans = m.in_chans or manifest.channels
         kwargs = m.backbone_kwargs(in_chans)
@@ -115,8 +121,13 @@ def export_run(
     with _master_weights(objective):
         if rank == 0:
             export_backbone(
-                objective.backbone, out_dir, arch=spec.arch, kwargs=spec.kwargs,
-                mean=spec.mean, std=spec.std, extra=extra,
-            )  # fmt: skip
+                objective.backbone,
+                out_dir,
+                arch=spec.arch,
+                kwargs=spec.kwargs,
+                mean=spec.mean,
+                std=spec.std,
+                extra=extra,
+            )
             save_objective(objective, out_dir, kind, options)
             record_files(out_dir, [OBJECTIVE_WEIGHTS, OBJECTIVE_META])

@@ -237,10 +237,14 @@ def to_universal(ckpt_dir: Path, tag: str, rank: int) -> None:
             from deepspeed.checkpoint import ds_to_universal
 
             args = argparse.Namespace(
-                input_folder=str(ckpt_dir / tag), output_folder=str(partial),
-                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                strict=True, inject_missing_state=True,
-            )  # fmt: skip
+                input_folder=str(ckpt_dir / tag),
+                output_folder=str(partial),
+                num_extract_workers=1,
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=True,
+            )
             with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
                 ds_to_universal.main(args)
             # it also points `<tag>/latest_universal` at the folder it wrote; we load by name
@@ -262,8 +266,11 @@ def to_universal(ckpt_dir: Path, tag: str, rank: int) -> None:
 
 
 # What a checkpoint's step means depends on these; the trainer saves them in trainer_state.json.
-LAUNCH_KEYS = {"world_size": "world size", "num_workers": "data.num_workers",
-               "steps_per_epoch": "steps per epoch"}  # fmt: skip
+LAUNCH_KEYS = {
+    "world_size": "world size",
+    "num_workers": "data.num_workers",
+    "steps_per_epoch": "steps per epoch",
+}
 
 
 def resume(engine: Any, ckpt_dir: Path, launch: dict[str, int]) -> dict:
@@ -301,13 +308,15 @@ def resume(engine: Any, ckpt_dir: Path, launch: dict[str, int]) -> dict:
         said = [what]
         if "world_size" in changed:
             said.append(
-                "converted to a universal checkpoint" if universal
+                "converted to a universal checkpoint"
+                if universal
                 else "ZeRO-0 saved the whole optimizer state, loaded as it is"
-            )  # fmt: skip
+            )
         if k:
             state = {**state, "replayed_steps": replayed + k}
-            said.append(f"epoch {epoch} restarts from its first batch ({k} batches of it are "
-                        "seen again)")  # fmt: skip
+            said.append(
+                f"epoch {epoch} restarts from its first batch ({k} batches of it are seen again)"
+            )
         else:
             said.append(f"epoch {epoch} starts from its first batch, as planned")
         log.info("%s: %s", said[0], "; ".join(said[1:]))

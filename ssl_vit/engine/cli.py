@@ -47,14 +47,16 @@ def parse(argv: list[str] | None, kind: str, description: str):
         )
     p.add_argument("--check", action="store_true", help="validate the config and data, then exit")
     p.add_argument(
-        "--world-sizes", metavar="N[,N...]",
+        "--world-sizes",
+        metavar="N[,N...]",
         help="with --check: rank counts to check the batch split for, with the memory per GPU "
         "at each ZeRO stage (default: this launch's)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--no-data", action="store_true",
+        "--no-data",
+        action="store_true",
         help="with --check: skip the checks against data.root (e.g. on a login node)",
-    )  # fmt: skip
+    )
     p.add_argument("--gpu-gib", type=float, default=80.0, help="with --check: GPU memory (GiB)")
     p.add_argument(
         "-v", "--verbose", action="store_true", help="also show the libraries' start-up lines"

@@ -51,8 +51,9 @@ def _cpu_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")
 
 
-def resolve_compile(requested: object, total_images: int, zero_stage: int,
-                    device: torch.device) -> tuple[str, str]:  # fmt: skip
+def resolve_compile(
+    requested: object, total_images: int, zero_stage: int, device: torch.device
+) -> tuple[str, str]:
     """("on", "off" or "trial", why) for `train.compile` = `requested` (true, false or "auto")
     and a run of `total_images` (steps x global batch); "trial": see `CompileTrial`."""
     if requested is False:
@@ -62,9 +63,11 @@ def resolve_compile(requested: object, total_images: int, zero_stage: int,
     if device.type == "cpu":
         if _cpu_compiler() is None:
             if requested is True:
-                raise ConfigError("train.compile=true needs a C++ compiler for Inductor's CPU "
-                                  "kernels (none found as $CXX, g++ or clang++): install g++ or "
-                                  "set train.compile=false")  # fmt: skip
+                raise ConfigError(
+                    "train.compile=true needs a C++ compiler for Inductor's CPU "
+                    "kernels (none found as $CXX, g++ or clang++): install g++ or "
+                    "set train.compile=false"
+                )
             return "off", "auto: off, no C++ compiler for Inductor's CPU kernels"
         if requested is not True:
             return "trial", "auto: measured in the run, eager against compiled"
@@ -119,11 +122,19 @@ class CompileTrial:
         if not keep:
             torch.compiler.set_stance("force_eager")
             self.compiled = False
-        self.result = {"compile/eager_step_s": eager_s, "compile/compiled_step_s": compiled_s,
-                       "compile/on": float(keep)}  # fmt: skip
-        log.info("torch.compile trial: eager %.1f ms/step, compiled %.1f ms/step (medians of %d "
-                 "steps, summed over ranks): keeping %s", 1e3 * eager_s, 1e3 * compiled_s,
-                 TRIAL_STEPS, "compiled" if keep else "eager")  # fmt: skip
+        self.result = {
+            "compile/eager_step_s": eager_s,
+            "compile/compiled_step_s": compiled_s,
+            "compile/on": float(keep),
+        }
+        log.info(
+            "torch.compile trial: eager %.1f ms/step, compiled %.1f ms/step (medians of %d "
+            "steps, summed over ranks): keeping %s",
+            1e3 * eager_s,
+            1e3 * compiled_s,
+            TRIAL_STEPS,
+            "compiled" if keep else "eager",
+        )
         return self.result
 
 
@@ -140,16 +151,20 @@ def eager() -> contextlib.AbstractContextManager:
     return torch.compiler.set_stance("force_eager")
 
 
-def start_trial(mode: object, module: nn.Module, first_step: int, total_steps: int,
-                rank: int) -> CompileTrial | None:  # fmt: skip
+def start_trial(
+    mode: object, module: nn.Module, first_step: int, total_steps: int, rank: int
+) -> CompileTrial | None:
     """The trial of a launch whose compile mode resolved to "trial", when enough steps are left
     for it to pay; None otherwise (eager)."""
     if mode != "trial":
         return None
     if total_steps - first_step < TRIAL_MIN_STEPS:
         if rank == 0:
-            log.info("torch.compile off: %d steps left, fewer than the %d the trial needs",
-                     total_steps - first_step, TRIAL_MIN_STEPS)  # fmt: skip
+            log.info(
+                "torch.compile off: %d steps left, fewer than the %d the trial needs",
+                total_steps - first_step,
+                TRIAL_MIN_STEPS,
+            )
         return None
     return CompileTrial(module, first_step)
 

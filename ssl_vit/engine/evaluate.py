@@ -46,8 +46,10 @@ def classifier_accuracy(
     counts = torch.zeros(2, device=device)  # (correct, seen)
     tagged: Iterable = ((b, True) for b in batches)
     if zero.is_zero3(objective):  # each forward is a collective: as many on every rank
-        placeholder = (torch.zeros(1, channels, img_size, img_size, dtype=torch.uint8),
-                       torch.zeros(1))  # fmt: skip
+        placeholder = (
+            torch.zeros(1, channels, img_size, img_size, dtype=torch.uint8),
+            torch.zeros(1),
+        )
         tagged = zero.even_batches(batches, placeholder, device)
     with zero.gathered_loose(objective):
         for (images, labels), real in tagged:
@@ -68,8 +70,16 @@ class EvalSplits:
     the same deterministic decode each time: on an H200 one of the Fashion-MNIST test split and
     the held-out 2% took 4-5 s, as long as an epoch of training (the hybrid preset)."""
 
-    def __init__(self, root: str | Path, manifest: Manifest, img_size: int, rank: int,
-                 world: int, num_workers: int, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: str | Path,
+        manifest: Manifest,
+        img_size: int,
+        rank: int,
+        world: int,
+        num_workers: int,
+        device: torch.device,
+    ) -> None:
         self.root, self.manifest, self.img_size = root, manifest, img_size
         self.rank, self.world, self.num_workers, self.device = rank, world, num_workers, device
         self.kept: dict[tuple[str, float | None], list] = {}
@@ -82,11 +92,16 @@ class EvalSplits:
         # server (IN_TRAINING_START), never forked from this threaded process.
         n = self.manifest.split(split).num_samples
         loader = make_eval_loader(
-            self.root, split, batch_size=256, img_size=self.img_size, rank=self.rank,
+            self.root,
+            split,
+            batch_size=256,
+            img_size=self.img_size,
+            rank=self.rank,
             num_workers=0 if n <= IN_PROCESS_SAMPLES else self.num_workers,
-            world_size=self.world, holdout_fraction=holdout,
+            world_size=self.world,
+            holdout_fraction=holdout,
             multiprocessing_context=IN_TRAINING_START,
-        )  # fmt: skip
+        )
         size = n * self.manifest.channels * self.img_size**2 / self.world
         if size > EVAL_CACHE_BUDGET:
             return loader
@@ -110,9 +125,13 @@ def knn_monitor(
 
     was_training = backbone.training
     frozen = EvalBackbone(
-        model=backbone, meta={"mean": mean, "std": std}, ident="online", img_size=img_size,
-        in_chans=in_chans, source="training",
-    )  # fmt: skip
+        model=backbone,
+        meta={"mean": mean, "std": std},
+        ident="online",
+        img_size=img_size,
+        in_chans=in_chans,
+        source="training",
+    )
     device = next(backbone.parameters()).device
     sets = []
     for split, n in ((cfg.train_split, cfg.num_train), (cfg.eval_split, cfg.num_eval)):
@@ -121,8 +140,14 @@ def knn_monitor(
         sets.append(extract_features(frozen, batches, device=device, desc=f"monitor {split}"))
     backbone.train(was_training)
     (gx, gy), (qx, qy) = sets
-    result = knn_eval(gx[: cfg.num_train], gy[: cfg.num_train], qx[: cfg.num_eval],
-                      qy[: cfg.num_eval], ks=(cfg.k,), retrieval=False)  # fmt: skip
+    result = knn_eval(
+        gx[: cfg.num_train],
+        gy[: cfg.num_train],
+        qx[: cfg.num_eval],
+        qy[: cfg.num_eval],
+        ks=(cfg.k,),
+        retrieval=False,
+    )
     return float(result[f"knn_top1@k={cfg.k}"])
 
 
@@ -168,13 +193,18 @@ class InTrainingEvals:
         labelled = manifest.num_classes is not None
         self.classify = cfg.objective.kind != "mpp" and (self.split or self.report) is not None
         if self.classify and self.split is None and rank == 0:
-            log.warning("no held-out or val split: export_best/ is not written (set "
-                        "data.holdout_fraction to choose a checkpoint)")  # fmt: skip
+            log.warning(
+                "no held-out or val split: export_best/ is not written (set "
+                "data.holdout_fraction to choose a checkpoint)"
+            )
         m = cfg.monitor
         self.knn_every = m.knn_every if labelled else 0
         if self.knn_every and not {m.train_split, m.eval_split} <= set(manifest.splits):
-            log.warning("monitor: splits %s/%s not in the shard set; kNN monitor off",
-                        m.train_split, m.eval_split)  # fmt: skip
+            log.warning(
+                "monitor: splits %s/%s not in the shard set; kNN monitor off",
+                m.train_split,
+                m.eval_split,
+            )
             self.knn_every = 0
         if self.knn_every and cfg.train.zero_stage == 3:
             log.warning("monitor: the kNN monitor needs whole weights on rank 0; off under ZeRO-3")
@@ -192,13 +222,25 @@ class InTrainingEvals:
         if self.splits is None:
             device = next(classifier.parameters()).device
             workers = min(2, self.cfg.data.num_workers)
-            self.splits = EvalSplits(self.cfg.data.root, self.manifest, self.img_size,
-                                     self.rank, self.world, workers, device)  # fmt: skip
+            self.splits = EvalSplits(
+                self.cfg.data.root,
+                self.manifest,
+                self.img_size,
+                self.rank,
+                self.world,
+                workers,
+                device,
+            )
         held = split == HOLDOUT_SPLIT
         name = self.cfg.data.split if held else split
         batches = self.splits.batches(name, self.holdout if held else None)
-        return classifier_accuracy(classifier, batches, channels=self.in_chans,
-                                   img_size=self.img_size, autocast=self.autocast)  # fmt: skip
+        return classifier_accuracy(
+            classifier,
+            batches,
+            channels=self.in_chans,
+            img_size=self.img_size,
+            autocast=self.autocast,
+        )
 
     def maybe_run(self, objective: nn.Module, step: int, tracker) -> None:
         metrics: dict[str, float] = {}
@@ -213,16 +255,25 @@ class InTrainingEvals:
                 metrics[f"eval/{self.split}_top1"] = top1
                 if self.best_top1 is None or top1 > self.best_top1:  # chosen on held-out only
                     self.best_top1, self.best_step = top1, step
-                    extra = {"step": step, "selection_split": self.split, "selection_top1": top1,
-                             "objective": self.cfg.objective.kind}  # fmt: skip
+                    extra = {
+                        "step": step,
+                        "selection_split": self.split,
+                        "selection_top1": top1,
+                        "objective": self.cfg.objective.kind,
+                    }
                     self.export(Path(self.cfg.run.dir) / "export_best", extra)
                 metrics[f"eval/{self.split}_best_top1"] = self.best_top1
         if self.knn_every and step % self.knn_every == 0:
             if self.rank == 0:
                 metrics["monitor/knn_top1"] = knn_monitor(
-                    objective.backbone, self.mean, self.std, self.cfg.monitor,
-                    self.cfg.data.root, self.img_size, self.in_chans,
-                )  # fmt: skip
+                    objective.backbone,
+                    self.mean,
+                    self.std,
+                    self.cfg.monitor,
+                    self.cfg.data.root,
+                    self.img_size,
+                    self.in_chans,
+                )
             barrier()
         if metrics and self.rank == 0:
             tracker.log_metrics(metrics, step=step)

@@ -65,10 +65,15 @@ def estimate(cfg: Config, world: int, in_chans: int, precision: str) -> MemoryEs
     per_block = tokens * micro * width * 34 * scale
     attention = tokens * micro * 5 * heads * tokens * scale
     return MemoryEstimate(
-        params=params, tokens=tokens, micro=micro, accum=accum, per_rank_batch=per_rank,
-        model_states=states, activations=depth * (per_block + attention),
+        params=params,
+        tokens=tokens,
+        micro=micro,
+        accum=accum,
+        per_rank_batch=per_rank,
+        model_states=states,
+        activations=depth * (per_block + attention),
         activations_flash=depth * per_block,
-    )  # fmt: skip
+    )
 
 
 def describe(est: MemoryEstimate, world: int, gpu_gib: float = 80.0) -> str:

@@ -80,8 +80,12 @@ def resolve_precision(requested: str, timer: Callable[[bool], float] | None = No
     rounds = [(timer(False), timer(True)) for _ in range(2)]
     fp32, bf16 = min(r[0] for r in rounds), min(r[1] for r in rounds)
     choice = "bf16" if bf16 * BF16_MIN_SPEEDUP < fp32 else "fp32"
-    log.info("precision auto: a training step takes %.1f ms in fp32, %.1f ms in bf16 autocast "
-             "-> %s", 1e3 * fp32, 1e3 * bf16, choice)  # fmt: skip
+    log.info(
+        "precision auto: a training step takes %.1f ms in fp32, %.1f ms in bf16 autocast -> %s",
+        1e3 * fp32,
+        1e3 * bf16,
+        choice,
+    )
     return choice
 
 

@@ -146,12 +146,15 @@ def _open_parent(base_cfg: Config, key: str, values: list, header: str):
     base.mkdir(parents=True, exist_ok=True)
     id_file = base / "mlflow_run_id"
     parent = Tracker(
-        enabled=True, experiment=base_cfg.tracking.experiment,
+        enabled=True,
+        experiment=base_cfg.tracking.experiment,
         run_name=base_cfg.tracking.run_name or base.name,
         run_id=id_file.read_text().strip() if id_file.is_file() else None,
-        tracking_uri=base_cfg.tracking.uri, spool_dir=base / "mlflow_spool",
-        tags={"ssl_vit.sweep": key}, system_metrics=False,
-    )  # fmt: skip
+        tracking_uri=base_cfg.tracking.uri,
+        spool_dir=base / "mlflow_spool",
+        tags={"ssl_vit.sweep": key},
+        system_metrics=False,
+    )
     if parent.run_id and not id_file.is_file():
         atomic_write_text(id_file, parent.run_id + "\n")
     # Tags, not params: a grown grid continues this parent run, and MLflow's params never change.
@@ -172,9 +175,14 @@ def _close_parent(parent, path: Path, key: str, result: dict, runs: list[dict]) 
     parent.log_metrics(chosen, step=0)
     parent.log_artifact(path)
     parent.close()
-    log.info("sweep: chose %s=%s (held-out top-1 %.4f; test top-1 %s); %s", key,
-             result["chosen"][key], result["selection_best_top1"], result["selected_top1"],
-             path)  # fmt: skip
+    log.info(
+        "sweep: chose %s=%s (held-out top-1 %.4f; test top-1 %s); %s",
+        key,
+        result["chosen"][key],
+        result["selection_best_top1"],
+        result["selected_top1"],
+        path,
+    )
 
 
 def _read_text(path: Path) -> str | None:

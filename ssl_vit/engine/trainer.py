@@ -217,9 +217,16 @@ def setup(cfg: Config, header: str = "") -> Run:
     if rank == 0:
         log.info("torch.compile %s (%s)", "on: each block" if mode == "on" else mode, why)
     cpu_autocast = device.type == "cpu" and precision == "bf16"
-    launch = {"world_size": world, "num_workers": cfg.data.num_workers,
-              "steps_per_epoch": loader.steps_per_epoch, "accum": accum, "micro": micro,
-              "precision": precision, "compile": compiler.param, "in_memory": in_ram}  # fmt: skip
+    launch = {
+        "world_size": world,
+        "num_workers": cfg.data.num_workers,
+        "steps_per_epoch": loader.steps_per_epoch,
+        "accum": accum,
+        "micro": micro,
+        "precision": precision,
+        "compile": compiler.param,
+        "in_memory": in_ram,
+    }
 
     # Resume (a fresh run finds no checkpoint), then the MLflow run and in-training evaluations
     state = checkpoint.resume(engine, run_dir / "checkpoints", launch)
@@ -231,22 +238,47 @@ def setup(cfg: Config, header: str = "") -> Run:
         cfg, run_dir, rank, fresh=count.step == 0, derived=launch, source_run_id=spec.source_run_id
     )
     evals = InTrainingEvals(
-        cfg, manifest, spec, rank, world, steps_per_epoch=loader.steps_per_epoch,
-        total_steps=total_steps, autocast=cpu_autocast, state=state,
-    )  # fmt: skip
+        cfg,
+        manifest,
+        spec,
+        rank,
+        world,
+        steps_per_epoch=loader.steps_per_epoch,
+        total_steps=total_steps,
+        autocast=cpu_autocast,
+        state=state,
+    )
     peak = peak_measured = 0.0
     if rank == 0:
         truncate_metrics(run_dir / "metrics.jsonl", count.step)  # what followed the checkpoint
         peak, peak_measured, why = mfu_peaks(precision, engine.device)
         log.info("train/mfu against %s", why)
     run = Run(
-        cfg=cfg, rank=rank, world=world, micro=micro, run_dir=run_dir, manifest=manifest,
-        spec=spec, options=options, precision=precision, cpu_autocast=cpu_autocast,
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        micro=micro,
+        run_dir=run_dir,
+        manifest=manifest,
+        spec=spec,
+        options=options,
+        precision=precision,
+        cpu_autocast=cpu_autocast,
         clip=cfg.optim.grad_clip if clips_in_step(cfg, ds_precision) else 0.0,
-        loader=loader, total_steps=total_steps, flops_per_step=flops, peak=peak,
-        peak_measured=peak_measured, engine=engine, optimizer=optimizer, schedule=schedule,
-        compiler=compiler, launch=launch, count=count, tracker=tracker, evals=evals,
-    )  # fmt: skip
+        loader=loader,
+        total_steps=total_steps,
+        flops_per_step=flops,
+        peak=peak,
+        peak_measured=peak_measured,
+        engine=engine,
+        optimizer=optimizer,
+        schedule=schedule,
+        compiler=compiler,
+        launch=launch,
+        count=count,
+        tracker=tracker,
+        evals=evals,
+    )
     evals.export = run.export  # export_best/ is written through the run's export
     return run
 
@@ -268,9 +300,16 @@ def train(cfg: Config, header: str = "") -> Path:
             torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + count.step)
             log_now = (count.step + 1) % cfg.run.log_every == 0 or count.step + 1 == run.total_steps
             step = optimizer_step(
-                engine, run.optimizer, images, labels, micro=run.micro, autocast=run.cpu_autocast,
-                window=window, want_grad_norm=log_now, clip=run.clip,
-            )  # fmt: skip
+                engine,
+                run.optimizer,
+                images,
+                labels,
+                micro=run.micro,
+                autocast=run.cpu_autocast,
+                window=window,
+                want_grad_norm=log_now,
+                clip=run.clip,
+            )
             count.step += 1
             run.schedule.set(count.step)  # the lr of the next step
             count.nonfinite_in_row = 0 if step.finite else count.nonfinite_in_row + 1

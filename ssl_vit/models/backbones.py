@@ -83,9 +83,13 @@ def build_backbone(
             timm_kwargs["patch_size"] = patch_size
         try:
             model = timm.create_model(
-                arch, pretrained=False, num_classes=0, img_size=img_size, in_chans=in_chans,
+                arch,
+                pretrained=False,
+                num_classes=0,
+                img_size=img_size,
+                in_chans=in_chans,
                 **timm_kwargs,
-            )  # fmt: skip
+            )
         except RuntimeError as e:  # timm raises RuntimeError for an unknown name
             raise ValueError(f"arch {arch!r}: {e}; see timm.list_models('vit_*')") from e
     backbone_kind(model)  # fail early on architectures the objectives cannot drive

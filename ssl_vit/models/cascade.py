@@ -186,8 +186,9 @@ class CascadeViT(nn.Module):
         if len(sizes) < 2 or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False)):
             raise ValueError(f"cascade sizes {sizes}: give increasing sizes below the last stage's")
         if any(s % geo.patch_px for s in sizes):
-            raise ValueError(f"cascade sizes {sizes}: each must be a multiple of the patch "
-                             f"size {geo.patch_px}")  # fmt: skip
+            raise ValueError(
+                f"cascade sizes {sizes}: each must be a multiple of the patch size {geo.patch_px}"
+            )
         stages, prev_grid = [], None
         for i, size in enumerate(sizes):
             vit = backbone
@@ -228,8 +229,10 @@ class CascadeViT(nn.Module):
         An image leaves after stage s < last when its max softmax probability is >= thresholds[s]
         (one threshold per stage but the last); the rest continue as a smaller batch."""
         if len(thresholds) != self.num_stages - 1:
-            raise ValueError(f"{len(thresholds)} thresholds for {self.num_stages} stages: "
-                             f"give {self.num_stages - 1}")  # fmt: skip
+            raise ValueError(
+                f"{len(thresholds)} thresholds for {self.num_stages} stages: "
+                f"give {self.num_stages - 1}"
+            )
         b = images.shape[0]
         idx = torch.arange(b, device=images.device)
         out: torch.Tensor | None = None

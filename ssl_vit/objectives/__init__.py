@@ -40,11 +40,26 @@ __all__ = [
 ]
 
 # The keyword options of each objective (besides backbone, mean and std), as its class takes them
-MPP_OPTIONS = ("patch_size", "in_chans", "corrupt_ratio", "mask_prob", "random_prob", "target",
-               "bits", "downsize", "normalize_pixels", "head_hidden")  # fmt: skip
+MPP_OPTIONS = (
+    "patch_size",
+    "in_chans",
+    "corrupt_ratio",
+    "mask_prob",
+    "random_prob",
+    "target",
+    "bits",
+    "downsize",
+    "normalize_pixels",
+    "head_hidden",
+)
 SUPERVISED_OPTIONS = ("num_classes", "label_smoothing", "head_hidden", "head")
-CASCADE_OPTIONS = ("num_classes", "coarse_sizes", "feature_reuse", "relation_reuse",
-                   "label_smoothing")  # fmt: skip
+CASCADE_OPTIONS = (
+    "num_classes",
+    "coarse_sizes",
+    "feature_reuse",
+    "relation_reuse",
+    "label_smoothing",
+)
 OPTIONS: dict[str, tuple[str, ...]] = {
     "mpp": MPP_OPTIONS,
     "supervised": SUPERVISED_OPTIONS,
@@ -57,8 +72,14 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 def options_from_config(o: ObjectiveConfig, *, in_chans: int, num_classes: int | None) -> dict:
     """The `objective.*` config keys (and the data's channels and classes) as the options of
     the objective `o.kind`: what `build_objective` takes and the export records."""
-    mpp = {"in_chans": in_chans, "corrupt_ratio": o.corrupt_ratio, "mask_prob": o.mask_prob,
-           "random_prob": o.random_prob, "target": o.target, "bits": o.bits}  # fmt: skip
+    mpp = {
+        "in_chans": in_chans,
+        "corrupt_ratio": o.corrupt_ratio,
+        "mask_prob": o.mask_prob,
+        "random_prob": o.random_prob,
+        "target": o.target,
+        "bits": o.bits,
+    }
     supervised = {"num_classes": num_classes, "label_smoothing": o.label_smoothing}
     if o.kind == "mpp":
         return mpp
@@ -75,8 +96,9 @@ def options_from_config(o: ObjectiveConfig, *, in_chans: int, num_classes: int |
     }
 
 
-def _joint(backbone: nn.Module, mpp_weight: float = 1.0, supervised_weight: float = 1.0,
-           **options: Any) -> JointObjective:  # fmt: skip
+def _joint(
+    backbone: nn.Module, mpp_weight: float = 1.0, supervised_weight: float = 1.0, **options: Any
+) -> JointObjective:
     mean, std = options.pop("mean"), options.pop("std")
     mpp = {k: v for k, v in options.items() if k in MPP_OPTIONS}
     supervised = {k: v for k, v in options.items() if k in SUPERVISED_OPTIONS}

@@ -46,9 +46,12 @@ class CascadeObjective(nn.Module):
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         self.cascade = CascadeViT(
-            backbone, coarse_sizes, num_classes,
-            feature_reuse=feature_reuse, relation_reuse=relation_reuse,
-        )  # fmt: skip
+            backbone,
+            coarse_sizes,
+            num_classes,
+            feature_reuse=feature_reuse,
+            relation_reuse=relation_reuse,
+        )
         self.num_classes = int(num_classes)
         self.label_smoothing = float(label_smoothing)
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))

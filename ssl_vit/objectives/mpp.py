@@ -369,9 +369,14 @@ class MaskedPatchPrediction(nn.Module):
         B = images.shape[0]
         x = normalize(images, self.mean, self.std, self.backbone)
         corr = draw_corruption(
-            B, self.num_patches, self.num_corrupt, mask_prob=self.mask_prob,
-            random_prob=self.random_prob, device=x.device, generator=generator,
-        )  # fmt: skip
+            B,
+            self.num_patches,
+            self.num_corrupt,
+            mask_prob=self.mask_prob,
+            random_prob=self.random_prob,
+            device=x.device,
+            generator=generator,
+        )
         if self.hide_pixels:
             x = x * visible_pixels(corr, self.grid, self.patch_size).to(x.dtype)
         tokens = embed_patches(self.backbone, x)  # (B, N, D)
@@ -393,8 +398,10 @@ class MaskedPatchPrediction(nn.Module):
                 C = self.in_chans
                 pm = out.float().view(B, M, -1, C).mean(2)
                 tm = target.view(B, M, -1, C).mean(2)
-                correct = (color_class(quantize(pm, self.bits), self.bits)
-                           == color_class(quantize(tm, self.bits), self.bits)).float()  # fmt: skip
+                correct = (
+                    color_class(quantize(pm, self.bits), self.bits)
+                    == color_class(quantize(tm, self.bits), self.bits)
+                ).float()
             return loss, correct
         logits = out.float().view(B, M, -1, self.num_classes)  # (B, M, S, K); S = 1 or downsize^2
         target = target.view(B, M, -1)
@@ -441,7 +448,13 @@ class MaskedPatchPrediction(nn.Module):
             if self.target == "mean_color":
                 pred = pred.squeeze(-1)
         return MPPPrediction(
-            positions=corr.positions, kinds=corr.kinds, pred=pred, target=target,
-            target_kind=self.target, bits=self.bits, in_chans=self.in_chans,
-            patch_size=self.patch_size, grid=self.grid,
-        )  # fmt: skip
+            positions=corr.positions,
+            kinds=corr.kinds,
+            pred=pred,
+            target=target,
+            target_kind=self.target,
+            bits=self.bits,
+            in_chans=self.in_chans,
+            patch_size=self.patch_size,
+            grid=self.grid,
+        )
