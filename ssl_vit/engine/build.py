@@ -52,13 +52,14 @@ def build_from_config(cfg: Config, manifest: Manifest) -> tuple[nn.Module, dict,
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"model.init_from: {e}") from None
         kwargs = {**meta["kwargs"], "img_size": m.img_size}
+        source_run = source.run_id or meta.get("mlflow_run_id")  # lineage of what it started from
         spec = ModelSpec(
             meta["arch"],
             kwargs,
             kwargs["in_chans"],
             meta["mean"],
             meta["std"],
-            source.run_id or meta.get("mlflow_run_id"),
+            source_run_id=source_run,
         )
     else:
         in_chans = m.in_chans or manifest.channels

@@ -226,10 +226,10 @@ class InTrainingEvals:
                 self.cfg.data.root,
                 self.manifest,
                 self.img_size,
-                self.rank,
-                self.world,
-                workers,
-                device,
+                rank=self.rank,
+                world=self.world,
+                num_workers=workers,
+                device=device,
             )
         held = split == HOLDOUT_SPLIT
         name = self.cfg.data.split if held else split
@@ -271,8 +271,8 @@ class InTrainingEvals:
                     self.std,
                     self.cfg.monitor,
                     self.cfg.data.root,
-                    self.img_size,
-                    self.in_chans,
+                    img_size=self.img_size,
+                    in_chans=self.in_chans,
                 )
             barrier()
         if metrics and self.rank == 0:

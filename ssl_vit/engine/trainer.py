@@ -121,7 +121,9 @@ class Run:
         """The backbone and objective to `out`. Every rank calls this (ZeRO gathers); rank 0
         writes."""
         kind = self.cfg.objective.kind
-        export_run(self.engine.module, self.spec, kind, self.options, out, extra, self.rank)
+        export_run(
+            self.engine.module, self.spec, kind, self.options, out, extra=extra, rank=self.rank
+        )
 
 
 def setup(cfg: Config, header: str = "") -> Run:
@@ -356,7 +358,7 @@ def train(cfg: Config, header: str = "") -> Path:
                 launch = {k: run.launch[k] for k in checkpoint.LAUNCH_KEYS}
                 saved = {**count.state(), **launch, **run.evals.state()}
                 keep = cfg.run.keep_checkpoints
-                checkpoint.save(engine, run.ckpt_dir, count.step, saved, rank, keep)
+                checkpoint.save(engine, run.ckpt_dir, count.step, saved, rank=rank, keep=keep)
             for epoch in cfg.run.export_epochs:  # snapshots at the end of chosen epochs
                 if count.step == epoch * per_epoch:
                     extra = {**meta, "step": count.step, "epoch": epoch}

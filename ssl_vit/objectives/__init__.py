@@ -176,7 +176,9 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     Pass the objective (not only the backbone) so the heads and the mask token are included.
     """
     exempt = no_weight_decay_names(module)
-    groups = param_groups_weight_decay(module, float(weight_decay), no_weight_decay_list=exempt)
+    # Split as if decayed (timm puts everything in one group when weight_decay is 0), so the
+    # groups, and the optimizer state a checkpoint holds, do not depend on the value.
+    groups = param_groups_weight_decay(module, 1.0, no_weight_decay_list=exempt)
     split = {bool(g["weight_decay"]): g["params"] for g in groups}  # timm omits an empty group
     return [
         {"params": split.get(True, []), "weight_decay": float(weight_decay)},
