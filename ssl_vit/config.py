@@ -193,6 +193,15 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return plain(dataclasses.asdict(self))
 
+    @property
+    def holdout_share(self) -> float:
+        """The share of data.split held out of training to choose on: data.holdout_fraction,
+        by default 2% when fine-tuning (appendix B.1.1) and none otherwise."""
+        f = self.data.holdout_fraction
+        return (
+            float(f) if f is not None else (0.02 if self.objective.kind in FINETUNE_KINDS else 0.0)
+        )
+
 
 def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config dict, as YAML reads it back, less the keys that change how a run executes but
@@ -287,7 +296,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.global_batch={t.global_batch}: must be positive")
     if t.micro_batch is not None and t.micro_batch <= 0:
         raise ConfigError(f"train.micro_batch={t.micro_batch}: must be positive (or null)")
-    if not 0 <= holdout_fraction(cfg) < 0.5:
+    if not 0 <= cfg.holdout_share < 0.5:
         raise ConfigError(
             f"data.holdout_fraction={cfg.data.holdout_fraction}: must be in [0, 0.5) (e.g. 0.02)"
         )
@@ -302,12 +311,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     if world_size is not None:
         local_batch(cfg, world_size)
-
-
-def holdout_fraction(cfg: Config) -> float:
-    """The share of data.split held out of training (data.holdout_fraction resolved)."""
-    f = cfg.data.holdout_fraction
-    return float(f) if f is not None else (0.02 if cfg.objective.kind in FINETUNE_KINDS else 0.0)
 
 
 def _check_cascade_sizes(sizes: Any, img_size: int) -> None:

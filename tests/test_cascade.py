@@ -133,12 +133,12 @@ def test_cascade_objective_sums_stage_cross_entropies_and_trains():
 
 
 def test_cascade_preset_keeps_its_kind_and_bad_sizes_are_one_line_errors():
-    from ssl_vit.config import ConfigError, holdout_fraction, load_config
+    from ssl_vit.config import ConfigError, load_config
     from ssl_vit.engine.cli import parse
 
     _, overrides = parse(["--config", "configs/fmnist_cascade.yaml"], "finetune", "")
     cfg = load_config("configs/fmnist_cascade.yaml", overrides)
-    assert cfg.objective.kind == "cascade" and holdout_fraction(cfg) == 0.02  # held-out 2%
+    assert cfg.objective.kind == "cascade" and cfg.holdout_share == 0.02  # held-out 2%
     _, overrides = parse(["--config", "configs/fmnist_finetune.yaml"], "finetune", "")
     assert load_config("configs/fmnist_finetune.yaml", overrides).objective.kind == "finetune"
     for bad in ("[28, 14]", "[49]", "[]", "7"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ssl_vit.config import Config, MonitorConfig, holdout_fraction
+from ssl_vit.config import Config, MonitorConfig
 from ssl_vit.data.holdout import HOLDOUT_SPLIT
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.stream import make_eval_loader
@@ -182,7 +182,7 @@ class InTrainingEvals:
         self.mean, self.std = spec.mean, spec.std
         self.total, self.export = total_steps, export
         self.every = cfg.run.eval_every or steps_per_epoch
-        self.holdout = holdout_fraction(cfg)
+        self.holdout = cfg.holdout_share
         self.split = cfg.run.eval_split or (
             HOLDOUT_SPLIT if self.holdout > 0 else "val" if "val" in manifest.splits else None
         )

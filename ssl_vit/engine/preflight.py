@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch
+from ssl_vit.config import Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
 
 
@@ -32,16 +32,16 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
             f"{manifest.channels} channel(s); drop model.in_chans to follow the data"
         )
     num_train, fraction = split.num_samples, cfg.data.train_fraction
-    if holdout_fraction(cfg) > 0 or fraction < 1:  # imported late: numpy
+    if cfg.holdout_share > 0 or fraction < 1:  # imported late: numpy
         from ssl_vit.data.holdout import excluded_indices, held_out_indices
 
-        held = len(held_out_indices(split.num_samples, holdout_fraction(cfg)))
-        if held == 0 and holdout_fraction(cfg) > 0 and cfg.objective.kind != "mpp":
+        held = len(held_out_indices(split.num_samples, cfg.holdout_share))
+        if held == 0 and cfg.holdout_share > 0 and cfg.objective.kind != "mpp":
             raise ConfigError(
-                f"data.holdout_fraction={holdout_fraction(cfg)} holds out no sample of the "
+                f"data.holdout_fraction={cfg.holdout_share} holds out no sample of the "
                 f"{split.num_samples} in split {cfg.data.split!r}; raise it"
             )
-        num_train -= len(excluded_indices(split.num_samples, holdout_fraction(cfg), fraction))
+        num_train -= len(excluded_indices(split.num_samples, cfg.holdout_share, fraction))
     steps_per_epoch = num_train // cfg.train.global_batch
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -75,7 +75,7 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> None:
         return
     shards = select_shards(manifest, d.split, d.missing_shards)  # type: ignore[arg-type]
     total = sum(r.num_samples for r in shards)
-    exclusions = Exclusions(excluded_indices(total, holdout_fraction(cfg), d.train_fraction))
+    exclusions = Exclusions(excluded_indices(total, cfg.holdout_share, d.train_fraction))
     steps = (total - len(exclusions.sorted)) // cfg.train.global_batch  # missing shards left out
     workers = max(1, d.num_workers)
     batch = cfg.train.global_batch // world

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ssl_vit.config import Config, ConfigError, holdout_fraction, load_config, training_settings
+from ssl_vit.config import Config, ConfigError, load_config, training_settings
 from ssl_vit.io import atomic_write_text
 
 log = logging.getLogger("ssl_vit.train")
@@ -48,7 +48,7 @@ def child_dir(base: Path, key: str, value: Any) -> Path:
 def check_sweep(config_path: str | None, overrides: list[str], key: str, values: list) -> None:
     """Every value makes a valid config, and there is held-out data to choose on."""
     cfg = load_config(config_path, overrides)
-    if holdout_fraction(cfg) == 0 and not cfg.run.eval_split:
+    if cfg.holdout_share == 0 and not cfg.run.eval_split:
         raise ConfigError(
             "--sweep chooses on held-out data: set data.holdout_fraction (e.g. 0.02) or "
             "run.eval_split=val"

@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from ssl_vit import startup
-from ssl_vit.config import Config, ConfigError, holdout_fraction, local_batch, save_config
+from ssl_vit.config import Config, ConfigError, local_batch, save_config
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
 from ssl_vit.data.stream import TrainLoader, make_train_loader
@@ -182,7 +182,7 @@ def setup(cfg: Config, header: str = "") -> Run:
         resampled=d.resampled,
         decode=decode,
         retry=Retry(d.read_retries, timeout=d.read_timeout),
-        holdout_fraction=holdout_fraction(cfg),  # chosen on, never trained on
+        holdout_fraction=cfg.holdout_share,  # chosen on, never trained on
         train_fraction=d.train_fraction,
         in_memory=in_ram,
         multiprocessing_context=IN_TRAINING_START,
