@@ -82,8 +82,12 @@ def raw_pixels_backbone(
     *, img_size: int, in_chans: int, mean: list[float], std: list[float]
 ) -> EvalBackbone:
     """Raw pixels as features: the floor that a pretrained backbone has to clear."""
-    meta = {"arch": "raw-pixels", "kwargs": {"img_size": img_size, "in_chans": in_chans},
-            "mean": mean, "std": std}  # fmt: skip
+    meta = {
+        "arch": "raw-pixels",
+        "kwargs": {"img_size": img_size, "in_chans": in_chans},
+        "mean": mean,
+        "std": std,
+    }
     return EvalBackbone(
         RawPixels(), meta, f"pixels:{in_chans}x{img_size}", img_size, in_chans, "raw-pixels"
     )
@@ -199,9 +203,14 @@ def extract_features(
     """
     pool = resolve_pool(backbone, pool)
     out, labels = extract_with(
-        backbone, batches, lambda m, x: {"f": pool_tokens(m, x, pool, n_last, layer)},
-        device=device, bf16=bf16, total=total, desc=desc,
-    )  # fmt: skip
+        backbone,
+        batches,
+        lambda m, x: {"f": pool_tokens(m, x, pool, n_last, layer)},
+        device=device,
+        bf16=bf16,
+        total=total,
+        desc=desc,
+    )
     return out["f"], labels
 
 
@@ -364,24 +373,40 @@ def split_features(
     device = device or default_device()
     bf16 = (device.type == "cuda") if bf16 is None else bf16
     fields = feature_fields(
-        backbone, str(manifest.root), split, pool=pool, n_last=n_last, layer=layer,
-        device=device, bf16=bf16,
-    )  # fmt: skip
+        backbone,
+        str(manifest.root),
+        split,
+        pool=pool,
+        n_last=n_last,
+        layer=layer,
+        device=device,
+        bf16=bf16,
+    )
 
     def compute() -> tuple[np.ndarray, np.ndarray]:
         batches = eval_batches(
             str(manifest.root), split, batch_size, num_workers, backbone.img_size
         )
         f, y = extract_features(
-            backbone, batches, pool=pool, n_last=n_last, layer=layer, device=device,
-            bf16=bf16, total=info.num_samples, desc=f"{split} features",
-        )  # fmt: skip
+            backbone,
+            batches,
+            pool=pool,
+            n_last=n_last,
+            layer=layer,
+            device=device,
+            bf16=bf16,
+            total=info.num_samples,
+            desc=f"{split} features",
+        )
         if len(y) != info.num_samples:  # the loader skips (and reports) corrupt samples
             log.warning(
                 "%s: split %r lists %d samples but %d were readable; results cover those only "
                 "(run data_prep/verify_shards.py)",
-                join(str(manifest.root), MANIFEST_NAME), split, info.num_samples, len(y),
-            )  # fmt: skip
+                join(str(manifest.root), MANIFEST_NAME),
+                split,
+                info.num_samples,
+                len(y),
+            )
         return f, y
 
     fs = cached(cache_dir, fields, compute)

@@ -433,8 +433,11 @@ def to_batch(arrays: list[np.ndarray]) -> torch.Tensor:  # (B, C, H, W) uint8
     if not arrays:
         raise ValueError("to_batch needs at least one image")
     first = arrays[0]
-    shape = (len(arrays), 1, *first.shape) if first.ndim == 2 else (
-        len(arrays), first.shape[2], *first.shape[:2])  # fmt: skip
+    shape = (
+        (len(arrays), 1, *first.shape)
+        if first.ndim == 2
+        else (len(arrays), first.shape[2], *first.shape[:2])
+    )
     if get_worker_info() is not None:
         # In a DataLoader worker, straight into shared memory, as torch's default_collate does:
         # a batch in private memory is copied there again on its way to the main process.

@@ -94,18 +94,28 @@ def _decode_split(
     n = sum(r.num_samples for r in shards)
     h, w = manifest.image_size  # type: ignore[misc]
     stream = EvalStream(
-        shards, channels=manifest.channels, labelled=manifest.class_names is not None, lo=0,
-        hi=n, batch=1024, img_size=h, with_keys=False, counter=counter, subset=None,
+        shards,
+        channels=manifest.channels,
+        labelled=manifest.class_names is not None,
+        lo=0,
+        hi=n,
+        batch=1024,
+        img_size=h,
+        with_keys=False,
+        counter=counter,
+        subset=None,
         with_indices=True,
-    )  # fmt: skip
+    )
     images = torch.empty((n, manifest.channels, h, w), dtype=torch.uint8)
     labels = torch.empty(n, dtype=torch.int64)
     index = torch.empty(n, dtype=torch.int64)
     got = 0
     for imgs, labs, idx in DataLoader(
-        stream, batch_size=None, num_workers=workers,
+        stream,
+        batch_size=None,
+        num_workers=workers,
         multiprocessing_context=ctx if workers > 0 else None,
-    ):  # fmt: skip
+    ):
         if imgs.shape[2:] != (h, w):
             raise ValueError(
                 f"{manifest.root}: a {split} image is {tuple(imgs.shape[2:])}, not the "
@@ -187,8 +197,10 @@ class MemoryTrainLoader:
         h, w = images.shape[-2:]
         size, lo = self.img_size, self.rank * self.batch_size
         whole = self.scale[0] >= 1.0 and 3 / 4 <= w / h <= 4 / 3
-        boxes = [(0, 0, h, w) if whole else crop_params(h, w, rng, self.scale)
-                 for _ in range(self.global_batch)][lo : lo + self.batch_size]  # fmt: skip
+        boxes = [
+            (0, 0, h, w) if whole else crop_params(h, w, rng, self.scale)
+            for _ in range(self.global_batch)
+        ][lo : lo + self.batch_size]
         flips = [self.hflip and rng.random() < 0.5 for _ in range(self.global_batch)]
         if whole:
             if (h, w) != (size, size):
@@ -224,8 +236,9 @@ def _crop_resize(images: torch.Tensor, boxes: list[tuple], size: int) -> torch.T
     theta[:, 0, 0], theta[:, 0, 2] = bw / W, (2 * left + bw) / W - 1  # x: box centre, width
     theta[:, 1, 1], theta[:, 1, 2] = bh / H, (2 * top + bh) / H - 1
     grid = F.affine_grid(theta, [B, C, size, size], align_corners=False)
-    out = F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border",
-                        align_corners=False)  # fmt: skip
+    out = F.grid_sample(
+        images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False
+    )
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
@@ -237,8 +250,9 @@ def _centre_resize(images: torch.Tensor, size: int, square: bool = True) -> torc
         side = min(h, w)
         top, left = (h - side) // 2, (w - side) // 2
         images = images[..., top : top + side, left : left + side]
-    out = F.interpolate(images.float(), size=(size, size), mode="bilinear", antialias=True,
-                        align_corners=False)  # fmt: skip
+    out = F.interpolate(
+        images.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
@@ -266,7 +280,14 @@ def load_training_samples(
     keep = ~torch.isin(index, torch.from_numpy(unused))
     images, labels = images[keep].contiguous(), labels[keep].contiguous()
     secs = time.perf_counter() - start
-    log.info("%s: %d %s images decoded into RAM (%.0f MB) in %.1f s, %.0f images/s; %d skipped",
-             manifest.root, len(images), split, images.numel() / 2**20, secs,
-             len(index) / max(secs, 1e-9), counter.samples)  # fmt: skip
+    log.info(
+        "%s: %d %s images decoded into RAM (%.0f MB) in %.1f s, %.0f images/s; %d skipped",
+        manifest.root,
+        len(images),
+        split,
+        images.numel() / 2**20,
+        secs,
+        len(index) / max(secs, 1e-9),
+        counter.samples,
+    )
     return images, labels

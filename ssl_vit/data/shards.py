@@ -106,8 +106,13 @@ def select_shards(
     urls = [join(str(manifest.root), info.name) for info in infos]
     gone = {u for u in urls if exists(u) is False}
     if gone:
-        log.warning("%d of %d %s shards missing, skipped (first: %s)",
-                    len(gone), len(urls), split, min(gone))  # fmt: skip
+        log.warning(
+            "%d of %d %s shards missing, skipped (first: %s)",
+            len(gone),
+            len(urls),
+            split,
+            min(gone),
+        )
     refs, offset = [], 0
     for info, url in zip(infos, urls, strict=True):
         if url in gone:
@@ -199,8 +204,13 @@ def read_shard(
         if not ref.remote or is_missing(error) or failures >= retry.attempts:
             break
         counter.add(retries=1)
-        log.warning("%s: read failed (%s: %s); retrying from sample %d", ref.url,
-                    type(error).__name__, error, nxt)  # fmt: skip
+        log.warning(
+            "%s: read failed (%s: %s); retrying from sample %d",
+            ref.url,
+            type(error).__name__,
+            error,
+            nxt,
+        )
         time.sleep(retry.backoff * 2 ** (failures - 1))
     if error is None and nxt >= stop:
         return

@@ -198,16 +198,23 @@ class TrainLoader(ShardLoader):
         d = self.dataset
         encoded = list(torch.split(blob, lengths.tolist())) if len(lengths) else []
         device = self._dl["device"]
-        images = torch.empty((len(labels), d.channels, d.img_size, d.img_size),
-                             dtype=torch.uint8, device=device)  # fmt: skip
+        images = torch.empty(
+            (len(labels), d.channels, d.img_size, d.img_size), dtype=torch.uint8, device=device
+        )
         other = torch.ones(len(labels), dtype=torch.bool)
         other[where] = False
         images[other.to(device)] = pixels.to(device, non_blocking=True)
         todo, lost = list(range(len(encoded))), []
         while todo:  # a JPEG that will not decode there is decoded here, or is lost
             try:
-                out = decode_crop_batch([encoded[i] for i in todo], boxes[todo], flips[todo],
-                                        d.img_size, d.channels, device)  # fmt: skip
+                out = decode_crop_batch(
+                    [encoded[i] for i in todo],
+                    boxes[todo],
+                    flips[todo],
+                    d.img_size,
+                    d.channels,
+                    device,
+                )
                 images[where[todo].to(device)] = out
                 break
             except DeviceDecodeError as e:
@@ -338,33 +345,66 @@ def make_train_loader(
         )
     if in_memory:
         loader: TrainLoader | MemoryTrainLoader = MemoryTrainLoader(
-            images, labels, manifest=manifest, split=split, global_batch=global_batch,
-            rank=rank, world_size=world_size, img_size=img_size, seed=seed, augment=augment,
-            scale=scale, hflip=hflip, counter=counter, translate=translate, device=device,
-        )  # fmt: skip
+            images,
+            labels,
+            manifest=manifest,
+            split=split,
+            global_batch=global_batch,
+            rank=rank,
+            world_size=world_size,
+            img_size=img_size,
+            seed=seed,
+            augment=augment,
+            scale=scale,
+            hflip=hflip,
+            counter=counter,
+            translate=translate,
+            device=device,
+        )
         loader.set_epoch(epoch, skip_batches)
         return loader
     dataset = TrainStream(
-        shards, channels=manifest.channels, labelled=manifest.class_names is not None,
-        rank=rank, world_size=world_size, workers=max(1, num_workers),
-        batch=global_batch // world_size, steps=steps, seed=seed,
-        position=EpochPosition(ctx, epoch, 0), img_size=img_size, augment=augment,
-        scale=tuple(scale), hflip=hflip, translate=translate, shuffle_buffer=shuffle_buffer,
-        shuffle_initial=shuffle_initial, counter=counter, exclusions=exclusions,
-        resampled=resampled, retry=retry or Retry(), missing=missing,
+        shards,
+        channels=manifest.channels,
+        labelled=manifest.class_names is not None,
+        rank=rank,
+        world_size=world_size,
+        workers=max(1, num_workers),
+        batch=global_batch // world_size,
+        steps=steps,
+        seed=seed,
+        position=EpochPosition(ctx, epoch, 0),
+        img_size=img_size,
+        augment=augment,
+        scale=tuple(scale),
+        hflip=hflip,
+        translate=translate,
+        shuffle_buffer=shuffle_buffer,
+        shuffle_initial=shuffle_initial,
+        counter=counter,
+        exclusions=exclusions,
+        resampled=resampled,
+        retry=retry or Retry(),
+        missing=missing,
         device_decode=decode == "gpu",
-    )  # fmt: skip
+    )
     if decode == "gpu" and (device is None or translate):
         raise ValueError("decode='gpu' needs a device, and translate=0 (a CPU-path shift)")
     check_shared_memory(
         dataset.batch * manifest.channels * img_size**2, num_workers, prefetch_factor
     )
     loader = TrainLoader(
-        dataset, manifest=manifest, split=split, num_workers=num_workers,
+        dataset,
+        manifest=manifest,
+        split=split,
+        num_workers=num_workers,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx, persistent=True,
+        prefetch_factor=prefetch_factor,
+        timeout=timeout,
+        ctx=ctx,
+        persistent=True,
         device=device,
-    )  # fmt: skip
+    )
     loader.set_epoch(epoch, skip_batches)
     return loader
 
@@ -408,13 +448,26 @@ def make_eval_loader(
                 "holds no sample; raise data.holdout_fraction"
             )
     dataset = EvalStream(
-        shards, channels=manifest.channels, labelled=manifest.class_names is not None,
-        lo=n * rank // world_size, hi=n * (rank + 1) // world_size, batch=batch_size,
-        img_size=img_size, with_keys=with_keys, counter=counter, subset=subset,
-        retry=retry or Retry(), missing=missing,
-    )  # fmt: skip
+        shards,
+        channels=manifest.channels,
+        labelled=manifest.class_names is not None,
+        lo=n * rank // world_size,
+        hi=n * (rank + 1) // world_size,
+        batch=batch_size,
+        img_size=img_size,
+        with_keys=with_keys,
+        counter=counter,
+        subset=subset,
+        retry=retry or Retry(),
+        missing=missing,
+    )
     return EvalLoader(
-        dataset, manifest=manifest, split=split, num_workers=num_workers,
+        dataset,
+        manifest=manifest,
+        split=split,
+        num_workers=num_workers,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx,
-    )  # fmt: skip
+        prefetch_factor=prefetch_factor,
+        timeout=timeout,
+        ctx=ctx,
+    )
