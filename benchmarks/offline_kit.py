@@ -14,8 +14,9 @@ to reach PyPI. Run this on a machine that can, with --present naming what the no
                              its ops compile on first use, so the Python files suffice);
   .fmnist/                   Fashion-MNIST's four IDX files (the study's data).
 benchmarks/gpu_check.sh and studies/mpp_fashion_mnist/gpu_track.sh install from there.
-Versions are this venv's, so the node runs the code the test suite tested. A wheel already in .whl is kept (the
-job resumes); a second version of one package is refused, since pip would stop on it.
+Versions are this venv's, so the node runs the code the test suite tested. A wheel already in
+.whl is kept (the job resumes); a second version of one package is refused, since pip would stop
+on it.
 """
 
 from __future__ import annotations

@@ -231,9 +231,8 @@ def extract_with(
     Images are scaled to [0, 1], resized to the backbone's input size when they differ,
     grey images are repeated to 3 channels for an RGB backbone, then normalised with the
     backbone's mean/std from backbone.json. bf16 autocast defaults to on for CUDA and off for
-    CPU: measured on an AVX2 CPU without AVX512-BF16/AMX (AMD EPYC, 2 threads), ViT-Ti/4 at
-    28 px ran 45 img/s in fp32 and 7 img/s under bf16 autocast (features agree to cos > 0.9999).
-    Pass bf16=True on CPUs with native bf16 (AMX), where it can be faster. One pass can read
+    CPU, where it is emulated and several times slower without AVX512-BF16/AMX (pass bf16=True
+    on CPUs that have them). One pass can read
     several features (every block's, to choose a read-out); `dtype` is what they are kept in.
     """
     device = device or default_device()

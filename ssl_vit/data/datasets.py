@@ -154,7 +154,7 @@ class TrainStream(IterableDataset):
             labels: list[int] = []
             for _chunk in range(100):
                 # One generator per chunk, seeded by its first position: a resume that skips
-                # whole batches meets the same seeds (a generator per sample cost ~6 us each).
+                # whole batches meets the same seeds; one per sample would cost more.
                 aug_rng = random.Random(mix_seed(self.seed, epoch, stream, pos))
                 for _ in range(self.batch):
                     sample = next(src)

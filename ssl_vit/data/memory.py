@@ -1,12 +1,10 @@
 """Training batches from a split decoded once into RAM (`data.in_memory`), for splits that fit.
 
-Why: the streaming loader (ssl_vit.data.stream) pays tar parsing, PNG decoding and augmentation
-for every sample of every epoch, in worker processes that share the CPU with the training step.
-On a small machine that is a few percent of training speed (benchmarks/train_throughput.py),
-and for a small dataset it buys nothing: Fashion-MNIST's training split decodes to 45 MB. Here
-the split is decoded once at start (by the streaming eval reader's workers, so corrupt samples
-are dropped and counted the same way), held as one uint8 tensor, and each batch is an index
-gather plus batched augmentation in the training process: no worker runs beside the step.
+Why: the streaming loader (ssl_vit.data.stream) parses, decodes and augments every sample of
+every epoch in workers that share the CPU with the training step; a small split (Fashion-MNIST's
+decodes to 45 MB) is better decoded once at start (by the streaming eval reader, so corrupt
+samples are dropped and counted the same way), held as one uint8 tensor, and batched by an
+index gather plus batched augmentation in the training process.
 
 Contract, as the streaming TrainLoader's: `steps_per_epoch = num_samples // global_batch` on
 every rank; held-out samples (ssl_vit.data.holdout) are never yielded; `set_epoch(e, k)` yields
@@ -22,11 +20,9 @@ Every rank decodes the whole split (each needs every sample across epochs); `aut
 counts the decoded bytes once per rank against MEMORY_BUDGET.
 
 On a GPU (`device`), the decoded split is held in its memory and each batch is gathered,
-resampled and flipped there: on an H200 the same work on the host took 73% of each step of the
-hybrid preset (2,500 images/s; benchmarks/device_study.sh): small tensor ops whose time grows
-with busy host threads (on 2 busy cores here, 10.7 ms a batch with one thread, 106 with two).
-The augmentation draws are the same on either device; GPU resampling may round a pixel
-differently from the CPU's.
+resampled and flipped there (on the host, small tensor ops that slow down with busy host
+threads took most of a small model's step). The augmentation draws are the same on either
+device; GPU resampling may round a pixel differently from the CPU's.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Streaming input from a shard set: split by rank and worker, shuffle, decode, augment, batch.
 
-What webdataset does here: pipe: URLs (its gopen) and the shuffle buffer. What we do instead,
-and why: the split of shards over ranks and workers (webdataset's split_by_node/split_by_worker
-hand out whole shards, so with fewer shards than streams some streams get none and ranks run
-unequal step counts; ours cuts the epoch's samples into equal quotas at any stream count,
-entering shards mid-way through the manifest's offset index), an exact mid-epoch resume (the
-batches k.. of the interrupted epoch, on every rank and worker: tests/test_stream.py::
-test_skip_batches_is_the_tail and the kill-and-resume runs of tests/test_faults.py), remote
-files through fsspec (ranged reads, which that index needs; webdataset's http opener streams a
-whole file through curl), and the tar parsing (ssl_vit.data.tar_reader, measured there).
+webdataset gives pipe: URLs (its gopen) and the shuffle buffer. The rest is ours: equal
+per-stream quotas at any stream count (webdataset hands out whole shards, so with fewer shards
+than streams ranks run unequal step counts), an exact mid-epoch resume, remote files through
+fsspec's ranged reads (which the offset index needs), and the tar parsing (tar_reader).
 
 Public API:
 
@@ -43,17 +38,12 @@ resumed loader plays the role of worker (k + w) % W of the uninterrupted one, wh
 torch's round-robin worker order aligned with the global batch order.
 
 Bad data. A corrupt sample (undecodable image, bad or missing .cls, no image) is skipped and
-counted, and its place in the batch is filled with a copy of a good sample of the same batch
-(so batch shapes and the batch -> samples mapping stay fixed, which keeps resume exact). A
-truncated or vanished shard ends early; its missing samples are counted. Counts live in shared
-memory: `loader.num_skipped` (samples, cumulative over the loader's life, all workers) and
-`loader.num_shard_errors` (shards that failed to open or ended early), readable any time from
-the main process. They lag the consumed batches by the prefetch depth. A shard missing at
-construction is a one-line ManifestError (missing="error"), or dropped with a warning
-(missing="skip"; the epoch length is then computed without it). Selecting and reading shards,
-and the counters: ssl_vit.data.shards (the tar parsing, ours for speed: ssl_vit.data.tar_reader;
-opening local files and URLs, with retries: ssl_vit.data.urls);
-the two IterableDatasets: ssl_vit.data.datasets.
+counted, its place in the batch taken by a copy of a good sample of the same batch (fixed batch
+shapes keep resume exact). A truncated or vanished shard ends early; its missing samples are
+counted. `loader.num_skipped` and `loader.num_shard_errors` live in shared memory (they lag
+the consumed batches by the prefetch depth). A shard missing at construction is a one-line
+ManifestError (missing="error"), or dropped with a warning (missing="skip"). Reading shards and
+the counters: ssl_vit.data.shards; the two IterableDatasets: ssl_vit.data.datasets.
 
 Held-out samples. `holdout_fraction=f` (ssl_vit.data.holdout) removes a fixed, hashed share
 f of the split's samples (by manifest index) from the train loader: no stream ever yields them,
