@@ -371,31 +371,15 @@ def split_features(
     info = manifest.split(split)  # raises naming the manifest and the splits it has
     device = device or default_device()
     bf16 = (device.type == "cuda") if bf16 is None else bf16
-    fields = feature_fields(
-        backbone,
-        str(manifest.root),
-        split,
-        pool=pool,
-        n_last=n_last,
-        layer=layer,
-        device=device,
-        bf16=bf16,
-    )
+    how = dict(pool=pool, n_last=n_last, layer=layer, device=device, bf16=bf16)
+    fields = feature_fields(backbone, str(manifest.root), split, **how)
 
     def compute() -> tuple[np.ndarray, np.ndarray]:
         batches = eval_batches(
             str(manifest.root), split, batch_size, num_workers, backbone.img_size
         )
         f, y = extract_features(
-            backbone,
-            batches,
-            pool=pool,
-            n_last=n_last,
-            layer=layer,
-            device=device,
-            bf16=bf16,
-            total=info.num_samples,
-            desc=f"{split} features",
+            backbone, batches, **how, total=info.num_samples, desc=f"{split} features"
         )
         if len(y) != info.num_samples:  # the loader skips (and reports) corrupt samples
             log.warning(

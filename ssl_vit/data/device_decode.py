@@ -23,10 +23,8 @@ samples no zeros (bilinear samples in its last half pixel would otherwise blend 
 A colour JPEG decoded to gray is its luma channel, where PIL converts decoded RGB: the same
 but for rounding and clipped colours (mean 0.25 levels on the test images).
 
-Memory: the padded tensor takes B x C x Hmax x Wmax x 4 bytes: 256 RGB images of 256 x 341 px
-take about 270 MB, and 360 MB where portrait and landscape ones mix (Hmax = Wmax = 341); beside
-it are the decoded uint8 images (a quarter of that) and the float output (B x C x size x size x
-4). Batches are therefore processed `chunk` images at a time.
+Memory: the padded float tensor takes B x C x Hmax x Wmax x 4 bytes (about 360 MB for 256 RGB
+images of 256 x 341 px in both orientations), so batches go `chunk` images at a time.
 
 Contract: every sample must be a JPEG whose box lies inside it; a sample that is not one, does
 not decode, or whose box does not fit raises `DeviceDecodeError`, a ValueError carrying the batch

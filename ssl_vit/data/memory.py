@@ -123,7 +123,18 @@ def _decode_split(
     return images[:got], labels[:got], index[:got]
 
 
-class MemoryTrainLoader:
+class LoaderCounts:
+    """What every loader reports: skipped samples, shard errors (its `counter`) and the shard
+    set's channels, mean and std (its `manifest`)."""
+
+    num_skipped = property(lambda self: self.counter.samples)  # corrupt or lost samples so far
+    num_shard_errors = property(lambda self: self.counter.shard_errors)
+    channels = property(lambda self: self.manifest.channels)
+    mean = property(lambda self: self.manifest.mean)
+    std = property(lambda self: self.manifest.std)
+
+
+class MemoryTrainLoader(LoaderCounts):
     """`len(self)` batches of one epoch from RAM; `set_epoch` moves on. See the module doc."""
 
     def __init__(
@@ -157,11 +168,6 @@ class MemoryTrainLoader:
         self.epoch = self.skip_batches = 0
 
     num_samples = property(lambda self: len(self.images))
-    num_skipped = property(lambda self: self.counter.samples)
-    num_shard_errors = property(lambda self: self.counter.shard_errors)
-    channels = property(lambda self: self.manifest.channels)
-    mean = property(lambda self: self.manifest.mean)
-    std = property(lambda self: self.manifest.std)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         if not 0 <= skip_batches <= self.steps_per_epoch:

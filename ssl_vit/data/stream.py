@@ -18,14 +18,10 @@ Public API:
         ...                            # every sample once, in manifest order (rank's part)
 
 Train loader. Every rank runs exactly `steps_per_epoch = num_samples // global_batch` batches
-per epoch, whatever the shard count, so DDP never hangs. Each DataLoader worker of each rank is
-one "stream" (P = world_size x max(1, num_workers) of them). Which samples each stream reads is
-ssl_vit.data.stream_plan: by default every training sample exactly once per epoch at any P (the
-epoch's shuffled shards laid end to end and cut into the streams' quotas, a stream starting
-inside a shard through the manifest's offset index); with `resampled=True`, shards drawn with
-replacement. Shard order, buffer shuffle and augmentation are seeded by (seed, epoch, stream,
-position), so an epoch is reproducible. `loader.read_factor` is how many times the epoch's plan
-reads the shard set; `loader.counter` counts the samples and bytes really read.
+per epoch, whatever the shard count, so DDP never hangs. Which samples each stream (one worker
+of one rank) reads is ssl_vit.data.stream_plan. Shard order, buffer shuffle and augmentation
+are seeded by (seed, epoch, stream, position), so an epoch is reproducible. `loader.read_factor`
+is how many times the epoch's plan reads the shard set; `loader.counter` counts what was read.
 
 Workers live across epochs (persistent): `set_epoch` writes the epoch to shared memory, where
 each worker reads it when the next epoch's iteration starts. Batches travel from the workers
@@ -73,14 +69,14 @@ from .datasets import EpochPosition, EvalStream, TrainStream
 from .device_decode import DeviceDecodeError, decode_crop_batch
 from .holdout import excluded_indices, held_out_indices
 from .manifest import Manifest, load_manifest
-from .memory import MemoryTrainLoader, load_training_samples
+from .memory import LoaderCounts, MemoryTrainLoader, load_training_samples
 from .shards import ReadCounter, report_skip, select_shards
 from .stream_plan import Exclusions, read_factor
 from .urls import Retry
 from .workers import worker_context
 
 
-class ShardLoader:
+class ShardLoader(LoaderCounts):
     """Iterates a stream through a torch DataLoader; batches are assembled in the workers,
     which persist across epochs (one DataLoader for the loader's life)."""
 
@@ -92,28 +88,6 @@ class ShardLoader:
     @property
     def counter(self) -> ReadCounter:
         return self.dataset.counter
-
-    @property
-    def num_skipped(self) -> int:
-        """Samples skipped so far (corrupt, or lost in a truncated/vanished shard)."""
-        return self.counter.samples
-
-    @property
-    def num_shard_errors(self) -> int:
-        """Shards that failed to open or ended before their manifest count."""
-        return self.counter.shard_errors
-
-    @property
-    def channels(self) -> int:
-        return self.manifest.channels
-
-    @property
-    def mean(self) -> list[float]:
-        return self.manifest.mean
-
-    @property
-    def std(self) -> list[float]:
-        return self.manifest.std
 
     def _dataloader(self) -> DataLoader:
         if self._loader is None:
@@ -265,6 +239,18 @@ def _common(root: str | Path, split: str, num_workers: int, ctx: str | None, mis
     return manifest, shards, mp_ctx, ReadCounter(mp_ctx)
 
 
+def _dl_options(num_workers, pin_memory, prefetch_factor, timeout, ctx) -> dict[str, Any]:
+    """The DataLoader settings a ShardLoader keeps (pinned memory by default where CUDA is)."""
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    return dict(
+        num_workers=num_workers,
+        pin_memory=pin,
+        prefetch_factor=prefetch_factor,
+        timeout=timeout,
+        ctx=ctx,
+    )
+
+
 def make_train_loader(
     root: str | Path,
     split: str,
@@ -333,6 +319,10 @@ def make_train_loader(
             f"one global batch of {global_batch}; lower the batch size"
             + (f" or raise data.train_fraction={train_fraction}" if train_fraction < 1 else "")
         )
+    aug = dict(
+        img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip, translate=translate
+    )
+    part = dict(rank=rank, world_size=world_size, seed=seed, counter=counter)
     if in_memory:
         loader: TrainLoader | MemoryTrainLoader = MemoryTrainLoader(
             images,
@@ -340,15 +330,8 @@ def make_train_loader(
             manifest=manifest,
             split=split,
             global_batch=global_batch,
-            rank=rank,
-            world_size=world_size,
-            img_size=img_size,
-            seed=seed,
-            augment=augment,
-            scale=scale,
-            hflip=hflip,
-            counter=counter,
-            translate=translate,
+            **part,
+            **aug,
             device=device,
         )
         loader.set_epoch(epoch, skip_batches)
@@ -357,21 +340,14 @@ def make_train_loader(
         shards,
         channels=manifest.channels,
         labelled=manifest.class_names is not None,
-        rank=rank,
-        world_size=world_size,
         workers=max(1, num_workers),
         batch=global_batch // world_size,
         steps=steps,
-        seed=seed,
         position=EpochPosition(ctx, epoch, 0),
-        img_size=img_size,
-        augment=augment,
-        scale=tuple(scale),
-        hflip=hflip,
-        translate=translate,
+        **part,
+        **aug,
         shuffle_buffer=shuffle_buffer,
         shuffle_initial=shuffle_initial,
-        counter=counter,
         exclusions=exclusions,
         resampled=resampled,
         retry=retry or Retry(),
@@ -383,17 +359,9 @@ def make_train_loader(
     check_shared_memory(
         dataset.batch * manifest.channels * img_size**2, num_workers, prefetch_factor
     )
+    dl = _dl_options(num_workers, pin_memory, prefetch_factor, timeout, ctx)
     loader = TrainLoader(
-        dataset,
-        manifest=manifest,
-        split=split,
-        num_workers=num_workers,
-        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        prefetch_factor=prefetch_factor,
-        timeout=timeout,
-        ctx=ctx,
-        persistent=True,
-        device=device,
+        dataset, manifest=manifest, split=split, **dl, persistent=True, device=device
     )
     loader.set_epoch(epoch, skip_batches)
     return loader
@@ -451,13 +419,5 @@ def make_eval_loader(
         retry=retry or Retry(),
         missing=missing,
     )
-    return EvalLoader(
-        dataset,
-        manifest=manifest,
-        split=split,
-        num_workers=num_workers,
-        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        prefetch_factor=prefetch_factor,
-        timeout=timeout,
-        ctx=ctx,
-    )
+    dl = _dl_options(num_workers, pin_memory, prefetch_factor, timeout, ctx)
+    return EvalLoader(dataset, manifest=manifest, split=split, **dl)

@@ -70,11 +70,8 @@ def _embedding_filters(ins: _Inspection, num_filters: int) -> None:
         log.info("no pixel patch projection (hybrid backbone): skipping embedding filters")
         return
     comps, ratio = embedding_filter_components(weight, num_filters)
-    ins.save(
-        "filters",
-        plots.plot_embedding_filters(comps, ratio, title=ins.prefix),
-        "embedding_filters.png",
-    )
+    fig = plots.plot_embedding_filters(comps, ratio, title=ins.prefix)
+    ins.save("filters", fig, "embedding_filters.png")
     ins.summary["filter_variance_ratio"] = [round(float(r), 5) for r in ratio]
 
 
@@ -94,9 +91,8 @@ def _position_similarity(ins: _Inspection) -> None:
         )
         return
     sim = position_similarity(patch_position_embeddings(ins.model), patch_grid(ins.model))
-    ins.save(
-        "position", plots.plot_position_similarity(sim, title=ins.prefix), "position_similarity.png"
-    )
+    fig = plots.plot_position_similarity(sim, title=ins.prefix)
+    ins.save("position", fig, "position_similarity.png")
 
 
 def _attention(ins: _Inspection, mean, std, batch_size: int, num_show: int) -> None:
@@ -188,15 +184,8 @@ def inspect_model(
         "num_images": int(images01.shape[0]),
         "grid": list(patch_grid(model)),
     }
-    ins = _Inspection(
-        model,
-        images01,
-        out,
-        f"{title}: " if title else "",
-        next(model.parameters()).device,
-        summary,
-        {},
-    )
+    prefix, device = f"{title}: " if title else "", next(model.parameters()).device
+    ins = _Inspection(model, images01, out, prefix, device, summary, {})
     _embedding_filters(ins, num_filters)
     _position_similarity(ins)
     _attention(ins, mean, std, batch_size, num_show)
