@@ -202,14 +202,12 @@ def extract_features(
     handling is `extract_with`'s.
     """
     pool = resolve_pool(backbone, pool)
+
+    def read(m: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"f": pool_tokens(m, x, pool, n_last, layer)}
+
     out, labels = extract_with(
-        backbone,
-        batches,
-        lambda m, x: {"f": pool_tokens(m, x, pool, n_last, layer)},
-        device=device,
-        bf16=bf16,
-        total=total,
-        desc=desc,
+        backbone, batches, read, device=device, bf16=bf16, total=total, desc=desc
     )
     return out["f"], labels
 
@@ -275,10 +273,6 @@ def extract_with(
     if not labels:
         raise FeatureError(f"{desc}: the split yielded no images; check the shard set")
     return {k: np.concatenate(v) for k, v in feats.items()}, np.concatenate(labels)
-
-
-# ---------------------------------------------------------------------------------------------
-# Cache
 
 
 def cache_key(fields: dict[str, Any]) -> str:

@@ -139,15 +139,8 @@ def _mpp_predictions(ins: _Inspection, mpp: nn.Module, num_mpp: int, seed: int) 
         log.info("MPP target %s has no single colour per patch: no panel", pred.target_kind)
         return
     pos, kinds, pc, tc = mpp_mean_colours(pred)
-    fig = plots.plot_mpp_predictions(
-        ins.images01[: pos.shape[0]],
-        pos,
-        kinds,
-        pc,
-        tc,
-        patch=patch_pixels(ins.model),
-        title=ins.prefix,
-    )
+    shown, patch = ins.images01[: pos.shape[0]], patch_pixels(ins.model)
+    fig = plots.plot_mpp_predictions(shown, pos, kinds, pc, tc, patch=patch, title=ins.prefix)
     ins.save("mpp", fig, "mpp_predictions.png")
     hit = (pred.pred == pred.target).float()  # (S, M)
     ins.summary["mpp_shown_accuracy"] = {
