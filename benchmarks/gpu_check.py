@@ -48,13 +48,34 @@ from ssl_vit.models import build_backbone  # noqa: E402
 from ssl_vit.objectives import build_objective, param_groups  # noqa: E402
 from ssl_vit.perf import count_train_flops, describe_machine, mfu_peaks  # noqa: E402
 
-FULL = {"arch": "vit_base_patch16_224", "img": 224, "patch": 16, "kwargs": {}, "batch": 128,
-        "steps": 20, "loader_batches": 30, "workers": 4, "gallery": 100_000, "dim": 768,
-        "queries": 10_000, "jpegs": 2000}  # fmt: skip
-QUICK = {"arch": "vit_tiny_patch16_224", "img": 32, "patch": 8,
-         "kwargs": {"depth": 2, "embed_dim": 64, "num_heads": 2}, "batch": 16, "steps": 4,
-         "loader_batches": 6, "workers": 2, "gallery": 2000, "dim": 64, "queries": 200,
-         "jpegs": 160}  # fmt: skip
+FULL = {
+    "arch": "vit_base_patch16_224",
+    "img": 224,
+    "patch": 16,
+    "kwargs": {},
+    "batch": 128,
+    "steps": 20,
+    "loader_batches": 30,
+    "workers": 4,
+    "gallery": 100_000,
+    "dim": 768,
+    "queries": 10_000,
+    "jpegs": 2000,
+}
+QUICK = {
+    "arch": "vit_tiny_patch16_224",
+    "img": 32,
+    "patch": 8,
+    "kwargs": {"depth": 2, "embed_dim": 64, "num_heads": 2},
+    "batch": 16,
+    "steps": 4,
+    "loader_batches": 6,
+    "workers": 2,
+    "gallery": 2000,
+    "dim": 64,
+    "queries": 200,
+    "jpegs": 160,
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -63,8 +84,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _objective(p: dict, device: torch.device) -> torch.nn.Module:
-    bb = build_backbone(p["arch"], img_size=p["img"], in_chans=3, patch_size=p["patch"],
-                        **p["kwargs"])  # fmt: skip
+    bb = build_backbone(
+        p["arch"], img_size=p["img"], in_chans=3, patch_size=p["patch"], **p["kwargs"]
+    )
     return build_objective("mpp", bb, mean=[0.5] * 3, std=[0.25] * 3).to(device)
 
 
@@ -111,10 +133,17 @@ def section_step(p: dict, device: torch.device, quick: bool) -> list[dict]:
             _sync(device)
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
-        rows.append({"section": "step", "what": "compiled" if compiled else "eager",
-                     "images_per_s": p["batch"] / t, "step_ms": 1e3 * t,
-                     "mfu": flops / t / peak, "mfu_measured": flops / t / measured,
-                     "peak": why})  # fmt: skip
+        rows.append(
+            {
+                "section": "step",
+                "what": "compiled" if compiled else "eager",
+                "images_per_s": p["batch"] / t,
+                "step_ms": 1e3 * t,
+                "mfu": flops / t / peak,
+                "mfu_measured": flops / t / measured,
+                "peak": why,
+            }
+        )
     return rows
 
 
@@ -139,8 +168,18 @@ def photo_like_jpeg_shards(out: Path, n: int, size: int) -> Path:
         buf = io.BytesIO()
         Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
         (folder / f"{i:05d}.jpg").write_bytes(buf.getvalue())
-    cmd = [sys.executable, str(ROOT / "data_prep" / "make_shards.py"), str(out / "images"),
-           str(shards), "--format", "keep", "--num-shards", "8", "--workers", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "data_prep" / "make_shards.py"),
+        str(out / "images"),
+        str(shards),
+        "--format",
+        "keep",
+        "--num-shards",
+        "8",
+        "--workers",
+        "2",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return shards
 
@@ -150,9 +189,15 @@ def section_loader(p: dict, device: torch.device, shards: Path) -> list[dict]:
     rows = []
     for decode in ("cpu", "gpu"):
         loader = make_train_loader(
-            shards, "train", global_batch=p["batch"], num_workers=p["workers"],
-            img_size=p["img"], decode=decode, device=device, timeout=300,
-        )  # fmt: skip
+            shards,
+            "train",
+            global_batch=p["batch"],
+            num_workers=p["workers"],
+            img_size=p["img"],
+            decode=decode,
+            device=device,
+            timeout=300,
+        )
         batches = iter(loader)
         next(batches)  # workers started
         t0, n = time.perf_counter(), 0
@@ -174,9 +219,15 @@ def section_loader(p: dict, device: torch.device, shards: Path) -> list[dict]:
             step(images, labels.to(device))
             _sync(device)
             wait, busy = wait + t1 - t0, busy + time.perf_counter() - t1
-        rows.append({"section": "loader", "what": f"decode={decode}", "images_per_s": rate,
-                     "data_wait_share": wait / (wait + busy),
-                     "workers": p["workers"]})  # fmt: skip
+        rows.append(
+            {
+                "section": "loader",
+                "what": f"decode={decode}",
+                "images_per_s": rate,
+                "data_wait_share": wait / (wait + busy),
+                "workers": p["workers"],
+            }
+        )
     return rows
 
 
@@ -199,24 +250,51 @@ def section_knn(p: dict, device: torch.device) -> list[dict]:
             (q @ g.T).topk(20, dim=1)
         _sync(device)
     seconds = time.perf_counter() - t0
-    return [{"section": "knn", "what": backend, "queries_per_s": len(queries) / seconds,
-             "gallery": p["gallery"], "dim": p["dim"]}]  # fmt: skip
+    return [
+        {
+            "section": "knn",
+            "what": backend,
+            "queries_per_s": len(queries) / seconds,
+            "gallery": p["gallery"],
+            "dim": p["dim"],
+        }
+    ]
 
 
 def section_zero3(p: dict, shards: Path, work: Path) -> list[dict]:
     """The pretraining script at ZeRO-3 on one rank, SIGKILLed after step 10's checkpoint and
     run again: the metric steps must continue to 20 and the export appear."""
     run = work / "zero3"
-    cmd = [sys.executable, str(ROOT / "pipelines" / "mpp_pretrain.py"), f"data.root={shards}",
-           f"run.dir={run}", f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
-           "model.arch=vit_tiny_patch16_224", f"model.img_size={min(p['img'], 64)}",
-           "model.patch_size=8", "model.kwargs={depth: 2, embed_dim: 64, num_heads: 2}",
-           "train.zero_stage=3", "train.epochs=null", "train.steps=20", "train.compile=false",
-           f"train.global_batch={p['batch']}", "run.checkpoint_every=10", "run.log_every=2",
-           "optim.warmup_steps=2", "monitor.knn_every=0", "data.num_workers=1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "pipelines" / "mpp_pretrain.py"),
+        f"data.root={shards}",
+        f"run.dir={run}",
+        f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
+        "model.arch=vit_tiny_patch16_224",
+        f"model.img_size={min(p['img'], 64)}",
+        "model.patch_size=8",
+        "model.kwargs={depth: 2, embed_dim: 64, num_heads: 2}",
+        "train.zero_stage=3",
+        "train.epochs=null",
+        "train.steps=20",
+        "train.compile=false",
+        f"train.global_batch={p['batch']}",
+        "run.checkpoint_every=10",
+        "run.log_every=2",
+        "optim.warmup_steps=2",
+        "monitor.knn_every=0",
+        "data.num_workers=1",
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     latest = run / "checkpoints" / "latest"
     while proc.poll() is None and not (latest.is_file() and "step00000010" in latest.read_text()):
         time.sleep(0.2)
@@ -226,13 +304,23 @@ def section_zero3(p: dict, shards: Path, work: Path) -> list[dict]:
     proc.wait()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
-    ok = (again.returncode == 0 and steps == list(range(2, 21, 2))
-          and (run / "export" / "backbone.safetensors").is_file())  # fmt: skip
+    ok = (
+        again.returncode == 0
+        and steps == list(range(2, 21, 2))
+        and (run / "export" / "backbone.safetensors").is_file()
+    )
     if not ok:
         print(again.stderr[-3000:], file=sys.stderr)
-    return [{"section": "zero3", "what": "kill at step 10, resume to 20", "ok": ok,
-             "killed_mid_run": killed, "seconds": time.perf_counter() - t0,
-             "metric_steps": steps}]  # fmt: skip
+    return [
+        {
+            "section": "zero3",
+            "what": "kill at step 10, resume to 20",
+            "ok": ok,
+            "killed_mid_run": killed,
+            "seconds": time.perf_counter() - t0,
+            "metric_steps": steps,
+        }
+    ]
 
 
 def table(rows: list[dict]) -> str:
@@ -241,8 +329,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         figures = ", ".join(
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in r.items() if k not in ("section", "what", "metric_steps")
-        )  # fmt: skip
+            for k, v in r.items()
+            if k not in ("section", "what", "metric_steps")
+        )
         lines.append(f"| {r['section']} | {r['what']} | {figures} |")
     return "\n".join(lines)
 
@@ -252,8 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a.add_argument("--quick", action="store_true", help="tiny sizes (a CPU in about a minute)")
     a.add_argument("--shards", type=Path, help="JPEG shards (default: photo-like ones made here)")
-    a.add_argument("--work", type=Path, default=ROOT / "runs" / "gpu_check",
-                   help="scratch folder (shards made here, the zero3 run)")  # fmt: skip
+    a.add_argument(
+        "--work",
+        type=Path,
+        default=ROOT / "runs" / "gpu_check",
+        help="scratch folder (shards made here, the zero3 run)",
+    )
     a.add_argument("--only", default="step,loader,knn,zero3", help="sections, comma-separated")
     a.add_argument("--out", type=Path, help="results JSON")
     args = a.parse_args(argv)
@@ -274,13 +367,20 @@ def main(argv: list[str] | None = None) -> int:
         rows += section_knn(p, device)
     if "zero3" in only:
         rows += section_zero3(p, shards, args.work)
-    print(f"{describe_machine()}; {'quick' if args.quick else 'full'} sizes; "
-          f"{time.perf_counter() - t0:.0f} s\n")  # fmt: skip
+    print(
+        f"{describe_machine()}; {'quick' if args.quick else 'full'} sizes; "
+        f"{time.perf_counter() - t0:.0f} s\n"
+    )
     print(table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        body = {"machine": describe_machine(), "quick": args.quick, "sizes": p, "rows": rows,
-                "seconds": time.perf_counter() - t0}  # fmt: skip
+        body = {
+            "machine": describe_machine(),
+            "quick": args.quick,
+            "sizes": p,
+            "rows": rows,
+            "seconds": time.perf_counter() - t0,
+        }
         args.out.write_text(json.dumps(body, indent=1) + "\n")
     return 0 if all(r.get("ok", True) for r in rows) else 1
 

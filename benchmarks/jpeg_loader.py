@@ -92,22 +92,45 @@ def timed(batches: Iterator[torch.Tensor], warmup: int, n: int, sync=None) -> fl
 
 def folder_loader(folder: Path, tf, batch: int) -> DataLoader:
     return DataLoader(
-        ImageFolder(str(folder), transform=tf), batch_size=batch, shuffle=True, drop_last=True,
-        num_workers=1, persistent_workers=True, prefetch_factor=2, pin_memory=False,
-    )  # fmt: skip
+        ImageFolder(str(folder), transform=tf),
+        batch_size=batch,
+        shuffle=True,
+        drop_last=True,
+        num_workers=1,
+        persistent_workers=True,
+        prefetch_factor=2,
+        pin_memory=False,
+    )
 
 
 def throughput(folder: Path, shards: Path, a: argparse.Namespace) -> dict:
     """(a): images/s per round of each loader, medians and the ratio."""
     size, scale = 224, (0.08, 1.0)
-    tf2 = T2.Compose([T2.RandomResizedCrop(size, scale=scale, antialias=True),
-                      T2.RandomHorizontalFlip(), T2.PILToTensor()])  # fmt: skip
-    tf1 = T1.Compose([T1.RandomResizedCrop(size, scale=scale, antialias=True),
-                      T1.RandomHorizontalFlip(), T1.PILToTensor()])  # fmt: skip
+    tf2 = T2.Compose(
+        [
+            T2.RandomResizedCrop(size, scale=scale, antialias=True),
+            T2.RandomHorizontalFlip(),
+            T2.PILToTensor(),
+        ]
+    )
+    tf1 = T1.Compose(
+        [
+            T1.RandomResizedCrop(size, scale=scale, antialias=True),
+            T1.RandomHorizontalFlip(),
+            T1.PILToTensor(),
+        ]
+    )
     ours = make_train_loader(
-        shards, "train", global_batch=a.batch_size, num_workers=1, img_size=size, scale=scale,
-        decode="cpu", prefetch_factor=2, pin_memory=False,
-    )  # fmt: skip
+        shards,
+        "train",
+        global_batch=a.batch_size,
+        num_workers=1,
+        img_size=size,
+        scale=scale,
+        decode="cpu",
+        prefetch_factor=2,
+        pin_memory=False,
+    )
     loaders = {
         OURS: endless(ours),
         "torchvision v2 ImageFolder": endless(folder_loader(folder, tf2, a.batch_size)),
@@ -123,22 +146,36 @@ def throughput(folder: Path, shards: Path, a: argparse.Namespace) -> dict:
             rates[name].append(timed(loaders[name], a.warmup, a.batches))
         best_tv = max(rates[k][-1] for k in loaders if k != OURS)
         ratios.append(rates[OURS][-1] / best_tv)
-        line = "  ".join(f"{k.split(' ')[0] if k == OURS else k.split(' ')[1]} "
-                         f"{rates[k][-1]:6.0f}" for k in loaders)  # fmt: skip
+        line = "  ".join(
+            f"{k.split(' ')[0] if k == OURS else k.split(' ')[1]} {rates[k][-1]:6.0f}"
+            for k in loaders
+        )
         print(f"round {r + 1}/{a.rounds}: images/s  {line}  ratio {ratios[-1]:.2f}", flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
     best = max((k for k in loaders if k != OURS), key=med.get)
-    print(f"\n{a.num_images} photo JPEGs (shorter side 256, q90) -> 224 px, batch {a.batch_size}, "
-          f"1 worker each, {a.rounds} rounds x {a.batches} batches after {a.warmup} warm-up; "
-          f"torch {torch.__version__}, torchvision {torchvision.__version__}")  # fmt: skip
+    print(
+        f"\n{a.num_images} photo JPEGs (shorter side 256, q90) -> 224 px, batch {a.batch_size}, "
+        f"1 worker each, {a.rounds} rounds x {a.batches} batches after {a.warmup} warm-up; "
+        f"torch {torch.__version__}, torchvision {torchvision.__version__}"
+    )
     for k, v in med.items():
         print(f"median {k:30s} {v:7.0f} images/s  ({1e6 / v:5.0f} us/image)")
     ratio = statistics.median(ratios)
-    print(f"ours / {best}: {med[OURS] / med[best]:.2f}x (medians); within rounds {ratio:.2f}x "
-          f"median, {min(ratios):.2f}..{max(ratios):.2f}  (goal >= 1.2)\n")  # fmt: skip
-    return {"images_per_s": rates, "median": med, "ratio_per_round": ratios,
-            "ratio_median": ratio, "baseline": best, "batch": a.batch_size,
-            "rounds": a.rounds, "batches": a.batches, "warmup": a.warmup}  # fmt: skip
+    print(
+        f"ours / {best}: {med[OURS] / med[best]:.2f}x (medians); within rounds {ratio:.2f}x "
+        f"median, {min(ratios):.2f}..{max(ratios):.2f}  (goal >= 1.2)\n"
+    )
+    return {
+        "images_per_s": rates,
+        "median": med,
+        "ratio_per_round": ratios,
+        "ratio_median": ratio,
+        "baseline": best,
+        "batch": a.batch_size,
+        "rounds": a.rounds,
+        "batches": a.batches,
+        "warmup": a.warmup,
+    }
 
 
 def _plan_row(refs: list[ShardRef], streams: int, batch: int) -> dict:
@@ -147,14 +184,22 @@ def _plan_row(refs: list[ShardRef], streams: int, batch: int) -> dict:
     steps = total // (streams * batch)
     quotas = [stream_quota(steps, batch, 1, 0)] * streams
     plans = exact_pieces(refs, quotas, Exclusions([]), seed=0, epoch=0)
-    return {"streams": streams, "batch": batch, "delivered": sum(quotas) / total,
-            "read_factor": read_factor(refs, plans)}  # fmt: skip
+    return {
+        "streams": streams,
+        "batch": batch,
+        "delivered": sum(quotas) / total,
+        "read_factor": read_factor(refs, plans),
+    }
 
 
 def _variants(refs: list[ShardRef]) -> dict[str, list[ShardRef]]:
     """The same shards as local files, as https URLs with the offset index, and without it."""
-    remote = [ShardRef("https://data.example/" + Path(r.url).name, r.num_samples, r.offset,
-                       r.offsets, r.every) for r in refs]  # fmt: skip
+    remote = [
+        ShardRef(
+            "https://data.example/" + Path(r.url).name, r.num_samples, r.offset, r.offsets, r.every
+        )
+        for r in refs
+    ]
     bare = [ShardRef(r.url, r.num_samples, r.offset) for r in remote]
     return {"local": refs, "remote, indexed": remote, "remote, no index": bare}
 
@@ -165,19 +210,34 @@ def read_plans(shards: Path, a: argparse.Namespace) -> dict:
     photo_bytes = sum(s.bytes for s in load_manifest(shards).split("train").shards)
     photo_n = sum(r.num_samples for r in photo)
     per, n, every, sample_kb = 5000, 257, 100, 110
-    imagenet = [ShardRef(f"/data/imagenet/train-{i:06d}.tar", per, i * per,
-                         tuple(k * every * sample_kb * 1024 for k in range(per // every)), every)
-                for i in range(n)]  # fmt: skip
+    imagenet = [
+        ShardRef(
+            f"/data/imagenet/train-{i:06d}.tar",
+            per,
+            i * per,
+            tuple(k * every * sample_kb * 1024 for k in range(per // every)),
+            every,
+        )
+        for i in range(n)
+    ]
     sets = {
         f"photo set ({photo_n:,} samples, {len(photo)} shards)": (
-            photo, photo_bytes, lambda p: max(1, min(64, photo_n // p))),
-        "ImageNet-like (257 x 5,000 samples)": (imagenet, n * per * sample_kb * 1024,
-                                                lambda p: max(1, 4096 // p)),
-    }  # fmt: skip
+            photo,
+            photo_bytes,
+            lambda p: max(1, min(64, photo_n // p)),
+        ),
+        "ImageNet-like (257 x 5,000 samples)": (
+            imagenet,
+            n * per * sample_kb * 1024,
+            lambda p: max(1, 4096 // p),
+        ),
+    }
     out: dict = {}
     for set_name, (refs, nbytes, batch_of) in sets.items():
-        print(f"{set_name}: read factor per epoch (samples read, dropped ones included / the "
-              f"set's samples), one loader worker per rank")  # fmt: skip
+        print(
+            f"{set_name}: read factor per epoch (samples read, dropped ones included / the "
+            f"set's samples), one loader worker per rank"
+        )
         variants = _variants(refs)
         print(
             f"{'streams':>8} {'batch':>6} {'delivered':>10}"
@@ -190,11 +250,19 @@ def read_plans(shards: Path, a: argparse.Namespace) -> dict:
             row = {v: _plan_row(r, p, batch) for v, r in variants.items()}
             first = next(iter(row.values()))
             gb = row["remote, no index"]["read_factor"] * nbytes / 1e9
-            print(f"{p:>8} {batch:>6} {first['delivered']:>10.3f}"
-                  + "".join(f" {row[v]['read_factor']:>17.3f}" for v in variants)
-                  + f"   {gb:.2f} of {nbytes / 1e9:.2f}")  # fmt: skip
-            rows.append({"streams": p, "batch": batch, "delivered": first["delivered"],
-                         **{v: row[v]["read_factor"] for v in variants}})  # fmt: skip
+            print(
+                f"{p:>8} {batch:>6} {first['delivered']:>10.3f}"
+                + "".join(f" {row[v]['read_factor']:>17.3f}" for v in variants)
+                + f"   {gb:.2f} of {nbytes / 1e9:.2f}"
+            )
+            rows.append(
+                {
+                    "streams": p,
+                    "batch": batch,
+                    "delivered": first["delivered"],
+                    **{v: row[v]["read_factor"] for v in variants},
+                }
+            )
         out[set_name] = rows
         print()
     return out
@@ -209,29 +277,46 @@ def read_counts(shards: Path, a: argparse.Namespace) -> list[dict]:
         f"counted: one epoch of the train loader over the photo shards ({total_n} samples, "
         f"{total_b / 1e6:.1f} MB), global batch {a.count_batch}, ranks one after another"
     )
-    print(f"{'ranks x workers':>16} {'delivered':>10} {'samples read':>13} {'bytes read':>12} "
-          f"{'x samples':>10} {'x bytes':>8} {'plan':>6}")  # fmt: skip
+    print(
+        f"{'ranks x workers':>16} {'delivered':>10} {'samples read':>13} {'bytes read':>12} "
+        f"{'x samples':>10} {'x bytes':>8} {'plan':>6}"
+    )
     rows = []
     for ws, workers in ((1, 1), (2, 2), (4, 2)):
         samples = nbytes = delivered = 0
         factor = None
         for rank in range(ws):
             loader = make_train_loader(
-                shards, "train", global_batch=a.count_batch, rank=rank, world_size=ws,
-                num_workers=workers, img_size=a.count_size, pin_memory=False,
-            )  # fmt: skip
+                shards,
+                "train",
+                global_batch=a.count_batch,
+                rank=rank,
+                world_size=ws,
+                num_workers=workers,
+                img_size=a.count_size,
+                pin_memory=False,
+            )
             factor = loader.read_factor
             for x, _ in loader:
                 delivered += x.shape[0]
             samples += loader.counter.samples_read
             nbytes += loader.counter.bytes_read
             del loader
-        row = {"world_size": ws, "workers": workers, "delivered": delivered,
-               "samples_read": samples, "bytes_read": nbytes, "samples_factor": samples / total_n,
-               "bytes_factor": nbytes / total_b, "planned_factor": factor}  # fmt: skip
+        row = {
+            "world_size": ws,
+            "workers": workers,
+            "delivered": delivered,
+            "samples_read": samples,
+            "bytes_read": nbytes,
+            "samples_factor": samples / total_n,
+            "bytes_factor": nbytes / total_b,
+            "planned_factor": factor,
+        }
         rows.append(row)
-        print(f"{f'{ws} x {workers}':>16} {delivered:>10} {samples:>13} {nbytes:>12} "
-              f"{samples / total_n:>10.3f} {nbytes / total_b:>8.3f} {factor:>6.3f}")  # fmt: skip
+        print(
+            f"{f'{ws} x {workers}':>16} {delivered:>10} {samples:>13} {nbytes:>12} "
+            f"{samples / total_n:>10.3f} {nbytes / total_b:>8.3f} {factor:>6.3f}"
+        )
     print("(bytes of a shard file include its tar end blocks, which a reader need not read)\n")
     return rows
 
@@ -248,9 +333,15 @@ def gpu_decode(shards: Path, a: argparse.Namespace, device: str | None = None) -
     loaders = {}
     for mode in ("gpu", "cpu"):
         loaders[mode] = make_train_loader(
-            shards, "train", global_batch=a.batch_size, num_workers=4, img_size=224,
-            decode=mode, device=device, pin_memory=cuda,
-        )  # fmt: skip
+            shards,
+            "train",
+            global_batch=a.batch_size,
+            num_workers=4,
+            img_size=224,
+            decode=mode,
+            device=device,
+            pin_memory=cuda,
+        )
 
     def on_device(loader) -> Iterator[torch.Tensor]:
         for x in endless(loader):
@@ -267,8 +358,10 @@ def gpu_decode(shards: Path, a: argparse.Namespace, device: str | None = None) -
             rates[m].append(timed(its[m], max(a.warmup, 4 * 2 + 2), a.batches, sync))
     med = {m: statistics.median(v) for m, v in rates.items()}
     ratio = med["gpu"] / med["cpu"]
-    print(f"GPU decode ({name}), 4 workers: decode='gpu' {med['gpu']:.0f} images/s, "
-          f"decode='cpu' {med['cpu']:.0f} images/s, ratio {ratio:.2f}x")  # fmt: skip
+    print(
+        f"GPU decode ({name}), 4 workers: decode='gpu' {med['gpu']:.0f} images/s, "
+        f"decode='cpu' {med['cpu']:.0f} images/s, ratio {ratio:.2f}x"
+    )
     return {"images_per_s": rates, "median": med, "device": name}
 
 
@@ -292,9 +385,12 @@ def main() -> int:
     load0, t0 = os.getloadavg()[0], time.time()
     folder, shards = make_photo_set(a.set, photos=a.photos, num=a.num_images, quiet=True)
     print(f"machine: {describe_machine()}; load average {load0:.1f} at start")
-    result = {"machine": describe_machine(), "command": " ".join(["python", *sys.argv]),
-              "set": os.path.relpath(a.set if a.set.is_absolute() else ROOT / a.set, ROOT),
-              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    result = {
+        "machine": describe_machine(),
+        "command": " ".join(["python", *sys.argv]),
+        "set": os.path.relpath(a.set if a.set.is_absolute() else ROOT / a.set, ROOT),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     result["throughput"] = throughput(folder, shards, a)
     result["read_plan"] = read_plans(shards, a)
     result["read_count"] = read_counts(shards, a)

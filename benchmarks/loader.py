@@ -126,8 +126,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--img-size", type=int, default=28, help="crop output size")
     p.add_argument("--repeats", type=int, default=3, help="epochs timed per loader")
-    p.add_argument("--work", type=Path, default=ROOT / "runs" / "bench" / "loader",
-                   help="scratch folder for the images and shards")  # fmt: skip
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=ROOT / "runs" / "bench" / "loader",
+        help="scratch folder for the images and shards",
+    )
     args = p.parse_args()
 
     folder, shards = prepare(args.work, args.num_images, args.per_shard)
@@ -142,13 +146,21 @@ def main() -> None:
     )
     folder_ds = ImageFolder(str(folder), transform=tf, loader=lambda p: Image.open(p).convert("L"))
     folder_dl = DataLoader(
-        folder_ds, batch_size=args.batch_size, shuffle=True, drop_last=True,
-        num_workers=args.workers, pin_memory=torch.cuda.is_available(),
-    )  # fmt: skip
+        folder_ds,
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=args.workers,
+        pin_memory=torch.cuda.is_available(),
+    )
     shard_dl = make_train_loader(
-        shards, "train", global_batch=args.batch_size, num_workers=args.workers,
-        img_size=args.img_size, scale=scale,
-    )  # fmt: skip
+        shards,
+        "train",
+        global_batch=args.batch_size,
+        num_workers=args.workers,
+        img_size=args.img_size,
+        scale=scale,
+    )
     results: dict[str, list[float]] = {"shards (ssl_vit.data.stream)": [], "ImageFolder": []}
     for r in range(args.repeats):
         order = [("shards (ssl_vit.data.stream)", shard_dl), ("ImageFolder", folder_dl)]
@@ -158,8 +170,10 @@ def main() -> None:
             rate = time_epoch(loader)
             results[name].append(rate)
             print(f"repeat {r + 1}/{args.repeats}  {name:30s} {rate:9.0f} images/s", flush=True)
-    print(f"\n{args.num_images} PNGs {args.img_size}px, batch {args.batch_size}, "
-          f"{args.workers} workers, torch {torch.__version__}")  # fmt: skip
+    print(
+        f"\n{args.num_images} PNGs {args.img_size}px, batch {args.batch_size}, "
+        f"{args.workers} workers, torch {torch.__version__}"
+    )
     med = {k: statistics.median(v) for k, v in results.items()}
     for name, m in med.items():
         print(f"median {name:30s} {m:9.0f} images/s")

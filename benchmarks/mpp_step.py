@@ -28,9 +28,15 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 def ours(args: argparse.Namespace) -> torch.nn.Module:
     bb = build_backbone(
-        "vit_small_patch16_224", img_size=args.img, in_chans=3, patch_size=args.patch,
-        embed_dim=args.dim, depth=args.depth, num_heads=args.heads, mlp_ratio=4.0,
-    )  # fmt: skip
+        "vit_small_patch16_224",
+        img_size=args.img,
+        in_chans=3,
+        patch_size=args.patch,
+        embed_dim=args.dim,
+        depth=args.depth,
+        num_heads=args.heads,
+        mlp_ratio=4.0,
+    )
     return build_objective("mpp", bb, mean=[0.5] * 3, std=[0.25] * 3)
 
 
@@ -39,12 +45,24 @@ def peer(args: argparse.Namespace) -> torch.nn.Module:
     from vit_pytorch.mpp import MPP
 
     vit = ViT(
-        image_size=args.img, patch_size=args.patch, num_classes=10, dim=args.dim,
-        depth=args.depth, heads=args.heads, mlp_dim=4 * args.dim, dim_head=args.dim // args.heads,
-    )  # fmt: skip
+        image_size=args.img,
+        patch_size=args.patch,
+        num_classes=10,
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
+        mlp_dim=4 * args.dim,
+        dim_head=args.dim // args.heads,
+    )
     # Its mask_prob is the corrupted share; replace_prob the [mask] share (paper: 50%, 80/10/10).
-    return MPP(vit, patch_size=args.patch, dim=args.dim, mask_prob=0.5, replace_prob=0.8,
-               random_patch_prob=0.1)  # fmt: skip
+    return MPP(
+        vit,
+        patch_size=args.patch,
+        dim=args.dim,
+        mask_prob=0.5,
+        replace_prob=0.8,
+        random_patch_prob=0.1,
+    )
 
 
 class Runner:

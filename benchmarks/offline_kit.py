@@ -13,9 +13,10 @@ to reach PyPI. Run this on a machine that can, with --present naming what the no
   .whl/deepspeed-site.tgz    the deepspeed package as installed here (PyPI has no wheel of it;
                              its ops compile on first use, so the Python files suffice);
   .fmnist/                   Fashion-MNIST's four IDX files (the study's data).
-benchmarks/gpu_check.sh and benchmarks/device_study.sh install from there. Versions are this
-venv's, so the node runs the code the test suite tested. A wheel already in .whl is kept (the
-job resumes); a second version of one package is refused, since pip would stop on it.
+benchmarks/gpu_check.sh and studies/mpp_fashion_mnist/gpu_track.sh install from there.
+Versions are this venv's, so the node runs the code the test suite tested. A wheel already in
+.whl is kept (the job resumes); a second version of one package is refused, since pip would stop
+on it.
 """
 
 from __future__ import annotations
@@ -50,10 +51,19 @@ TARGET = {
     "os_name": "posix",
     "extra": "",
 }
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
-FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
+FMNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 
 
 def canonical(name: str) -> str:
@@ -122,9 +132,22 @@ def fetch(name: str, folder: Path) -> Path:
         pin = f"{name}=={md.version(name)}"
     except md.PackageNotFoundError:
         pin = name
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", TARGET["python_version"], "--implementation", "cp",
-           "-d", str(folder), pin]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        TARGET["python_version"],
+        "--implementation",
+        "cp",
+        "-d",
+        str(folder),
+        pin,
+    ]
     for p in PLATFORMS:
         cmd += ["--platform", p]
     if subprocess.run(cmd).returncode != 0:
@@ -162,8 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--python", default="3.12", help="the node's Python version (major.minor)")
     p.add_argument("--out", type=Path, default=ROOT / ".whl", help="the wheels' folder")
-    p.add_argument("--fmnist", type=Path, default=Path("/usr/share/datasets/fashion-mnist"),
-                   help="Fashion-MNIST's IDX files here go to .fmnist/")  # fmt: skip
+    p.add_argument(
+        "--fmnist",
+        type=Path,
+        default=Path("/usr/share/datasets/fashion-mnist"),
+        help="Fashion-MNIST's IDX files here go to .fmnist/",
+    )
     args = p.parse_args(argv)
     if not args.present.is_file():
         p.error(f"--present {args.present}: not a file")
@@ -178,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             w.unlink()
     copy_fmnist(args.fmnist, ROOT / ".fmnist")
     size = sum(f.stat().st_size for d in (args.out, ROOT / ".fmnist") for f in d.iterdir())
-    print(f"{len(kit)} wheels + deepspeed-site.tgz in {args.out}, Fashion-MNIST in .fmnist: "
-          f"{size / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"{len(kit)} wheels + deepspeed-site.tgz in {args.out}, Fashion-MNIST in .fmnist: "
+        f"{size / 2**20:.1f} MiB"
+    )
     print("wheels: " + ", ".join(sorted(kit)))
     return 0
 

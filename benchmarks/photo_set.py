@@ -71,13 +71,20 @@ def crop_box(rng: random.Random, width: int, height: int) -> tuple[int, int, int
     return left, top, left + w, top + h
 
 
-def make_images(photos: list[Path], out: Path, n: int, seed: int, size: int, quality: int,
-                classes: int) -> None:  # fmt: skip
+def make_images(
+    photos: list[Path], out: Path, n: int, seed: int, size: int, quality: int, classes: int
+) -> None:
     """n crops of the photos as an ImageFolder tree under out (the same files for the same
     arguments); skipped when the stamp says they are already there."""
     stamp_path = out / "images.json"
-    stamp = {"photos": [p.name for p in photos], "num": n, "seed": seed, "size": size,
-             "quality": quality, "classes": classes}  # fmt: skip
+    stamp = {
+        "photos": [p.name for p in photos],
+        "num": n,
+        "seed": seed,
+        "size": size,
+        "quality": quality,
+        "classes": classes,
+    }
     if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
         return
     for old in ("images", "shards"):  # another set's files: start over
@@ -101,16 +108,34 @@ def make_images(photos: list[Path], out: Path, n: int, seed: int, size: int, qua
     stamp_path.write_text(json.dumps(stamp, indent=1) + "\n")
 
 
-def make_photo_set(out: Path = DEFAULT_OUT, *, photos: Path | None = None, num: int = 2000,
-                   seed: int = 0, size: int = 256, quality: int = 90, classes: int = 10,
-                   shard_size: int = 250, quiet: bool = False) -> tuple[Path, Path]:  # fmt: skip
+def make_photo_set(
+    out: Path = DEFAULT_OUT,
+    *,
+    photos: Path | None = None,
+    num: int = 2000,
+    seed: int = 0,
+    size: int = 256,
+    quality: int = 90,
+    classes: int = 10,
+    shard_size: int = 250,
+    quiet: bool = False,
+) -> tuple[Path, Path]:
     """(the ImageFolder, the shard folder) of the set, made if needed."""
     out = out if out.is_absolute() else ROOT / out
     make_images(find_photos(photos), out, num, seed, size, quality, classes)
     shards = out / "shards"
-    cmd = [sys.executable, str(ROOT / "data_prep" / "make_shards.py"), str(out / "images"),
-           str(shards), "--format", "keep", "--workers", "2",
-           "--shard-size", str(shard_size)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "data_prep" / "make_shards.py"),
+        str(out / "images"),
+        str(shards),
+        "--format",
+        "keep",
+        "--workers",
+        "2",
+        "--shard-size",
+        str(shard_size),
+    ]
     if not (shards / "manifest.json").is_file() or not quiet:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=quiet, text=True)
         if done.returncode != 0:
@@ -129,9 +154,16 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=10, help="class folders (%(default)s)")
     p.add_argument("--shard-size", type=int, default=250, help="samples per shard (%(default)s)")
     a = p.parse_args()
-    folder, shards = make_photo_set(a.out, photos=a.photos, num=a.num, seed=a.seed, size=a.size,
-                                    quality=a.quality, classes=a.classes,
-                                    shard_size=a.shard_size)  # fmt: skip
+    folder, shards = make_photo_set(
+        a.out,
+        photos=a.photos,
+        num=a.num,
+        seed=a.seed,
+        size=a.size,
+        quality=a.quality,
+        classes=a.classes,
+        shard_size=a.shard_size,
+    )
     n = sum(1 for _ in folder.rglob("*.jpg"))
     print(f"{n} JPEGs in {folder}; shards in {shards}")
 

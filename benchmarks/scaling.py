@@ -49,9 +49,15 @@ class Step:
     def __init__(self, args, img: int, dim: int, depth: int, heads: int, device: torch.device):
         self.img, self.dim, self.depth, self.heads, self.device = img, dim, depth, heads, device
         bb = build_backbone(
-            "vit_small_patch16_224", img_size=img, in_chans=3, patch_size=args.patch,
-            embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=4.0,
-        )  # fmt: skip
+            "vit_small_patch16_224",
+            img_size=img,
+            in_chans=3,
+            patch_size=args.patch,
+            embed_dim=dim,
+            depth=depth,
+            num_heads=heads,
+            mlp_ratio=4.0,
+        )
         self.tokens = bb.patch_embed.num_patches + bb.num_prefix_tokens
         self.model = build_objective("mpp", bb, mean=[0.5] * 3, std=[0.25] * 3).to(device)
         self.params = sum(p.numel() for p in self.model.parameters())
@@ -63,8 +69,9 @@ class Step:
         self.times: list[float] = []
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.dtype or torch.bfloat16,
-                              enabled=self.dtype is not None)  # fmt: skip
+        return torch.autocast(
+            self.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None
+        )
 
     def run(self) -> None:
         with self.autocast():
@@ -131,8 +138,13 @@ def measure(steps: list[Step], reps: int, what: str) -> list[dict]:
         print(f"[{what}] rep {rep + 1}/{reps} ms: {line}", file=sys.stderr, flush=True)
     for s, row in zip(steps, rows, strict=True):
         med = statistics.median(s.times)
-        row.update(step=s, ms=1e3 * med, rate=row["flops"] / med, peak=s.step_peak() / MIB,
-                   state=s.state_bytes() / MIB)  # fmt: skip
+        row.update(
+            step=s,
+            ms=1e3 * med,
+            rate=row["flops"] / med,
+            peak=s.step_peak() / MIB,
+            state=s.state_bytes() / MIB,
+        )
     return rows
 
 
@@ -167,13 +179,20 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64, help="(b) width per attention head")
     p.add_argument("--patch", type=int, default=4, help="patch side: (img/patch)^2 + 1 tokens")
     p.add_argument("--batch", type=int, help=f"images per step (default {FULL['batch']})")
-    p.add_argument("--reps", type=int, help=f"timed steps per configuration (default "
-                   f"{FULL['reps']}, median reported)")  # fmt: skip
+    p.add_argument(
+        "--reps",
+        type=int,
+        help=f"timed steps per configuration (default {FULL['reps']}, median reported)",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="bf16: autocast")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (0: torch default). 1 by default: the exponents then\n"
-                   "reflect the work, not how well small matrices spread over cores, and\n"
-                   "a busy machine's other jobs do not stall a thread team")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (0: torch default). 1 by default: the exponents then\n"
+        "reflect the work, not how well small matrices spread over cores, and\n"
+        "a busy machine's other jobs do not stall a thread team",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     for k, v in (QUICK if args.quick else FULL).items():
@@ -194,27 +213,56 @@ def main() -> None:
         f"dtype={args.dtype} batch={args.batch} patch={args.patch} median of {args.reps} steps"
     )
     if device.type == "cuda":
-        mem = ("torch.cuda.max_memory_allocated during one step minus memory_allocated at its "
-               "start (gradients freed first)")  # fmt: skip
+        mem = (
+            "torch.cuda.max_memory_allocated during one step minus memory_allocated at its "
+            "start (gradients freed first)"
+        )
     else:
-        mem = ("torch.profiler allocator records (profile_memory): peak of live CPU tensor bytes "
-               "during one step above its start (gradients freed first); not RSS")  # fmt: skip
+        mem = (
+            "torch.profiler allocator records (profile_memory): peak of live CPU tensor bytes "
+            "during one step above its start (gradients freed first); not RSS"
+        )
     print(f"# peak MiB: {mem}. state MiB: parameters + gradients + AdamW state between steps.")
 
     # (a) sequence length
     steps = [Step(args, i, args.dim, args.depth, args.heads, device) for i in imgs]
     rows = measure(steps, args.reps, "a")
     r0 = rows[0]
-    print(f"\n## (a) image size: D={args.dim} depth={args.depth} heads={args.heads}, "
-          f"{rows[0]['step'].params / 1e6:.2f} M parameters\n")  # fmt: skip
+    print(
+        f"\n## (a) image size: D={args.dim} depth={args.depth} heads={args.heads}, "
+        f"{rows[0]['step'].params / 1e6:.2f} M parameters\n"
+    )
     table(
-        ["img", "tokens", "GFLOP/step", "ms/step", "ms/img", "GFLOP/s", "peak MiB",
-         "tokens x", "GFLOP x", "time x", "peak x"],
-        [[f"{r['step'].img}", f"{r['step'].tokens}", f"{r['flops'] / 1e9:.2f}", f"{r['ms']:.0f}",
-          f"{r['ms'] / args.batch:.1f}", f"{r['rate'] / 1e9:.1f}", f"{r['peak']:.1f}",
-          f"{r['step'].tokens / r0['step'].tokens:.1f}", f"{r['flops'] / r0['flops']:.1f}",
-          f"{r['ms'] / r0['ms']:.1f}", f"{r['peak'] / r0['peak']:.1f}"] for r in rows],
-    )  # fmt: skip
+        [
+            "img",
+            "tokens",
+            "GFLOP/step",
+            "ms/step",
+            "ms/img",
+            "GFLOP/s",
+            "peak MiB",
+            "tokens x",
+            "GFLOP x",
+            "time x",
+            "peak x",
+        ],
+        [
+            [
+                f"{r['step'].img}",
+                f"{r['step'].tokens}",
+                f"{r['flops'] / 1e9:.2f}",
+                f"{r['ms']:.0f}",
+                f"{r['ms'] / args.batch:.1f}",
+                f"{r['rate'] / 1e9:.1f}",
+                f"{r['peak']:.1f}",
+                f"{r['step'].tokens / r0['step'].tokens:.1f}",
+                f"{r['flops'] / r0['flops']:.1f}",
+                f"{r['ms'] / r0['ms']:.1f}",
+                f"{r['peak'] / r0['peak']:.1f}",
+            ]
+            for r in rows
+        ],
+    )
     tokens = [r["step"].tokens for r in rows]
     fit = {k: slope(tokens, [r[k] for r in rows]) for k in ("ms", "flops", "peak")}
     local = slope(tokens[-2:], [r["ms"] for r in rows[-2:]]) if len(rows) > 2 else fit["ms"]
@@ -230,13 +278,36 @@ def main() -> None:
     rows = measure(steps, args.reps, "b")
     print(f"\n## (b) model size: img={args.img} ({rows[0]['step'].tokens} tokens)\n")
     table(
-        ["D", "depth", "heads", "params M", "GFLOP/step", "ms/step", "ms/img", "GFLOP/s",
-         "peak MiB", "state MiB", "time x"],
-        [[f"{r['step'].dim}", f"{r['step'].depth}", f"{r['step'].heads}",
-          f"{r['step'].params / 1e6:.2f}", f"{r['flops'] / 1e9:.2f}", f"{r['ms']:.0f}",
-          f"{r['ms'] / args.batch:.1f}", f"{r['rate'] / 1e9:.1f}", f"{r['peak']:.1f}",
-          f"{r['state']:.1f}", f"{r['ms'] / rows[0]['ms']:.1f}"] for r in rows],
-    )  # fmt: skip
+        [
+            "D",
+            "depth",
+            "heads",
+            "params M",
+            "GFLOP/step",
+            "ms/step",
+            "ms/img",
+            "GFLOP/s",
+            "peak MiB",
+            "state MiB",
+            "time x",
+        ],
+        [
+            [
+                f"{r['step'].dim}",
+                f"{r['step'].depth}",
+                f"{r['step'].heads}",
+                f"{r['step'].params / 1e6:.2f}",
+                f"{r['flops'] / 1e9:.2f}",
+                f"{r['ms']:.0f}",
+                f"{r['ms'] / args.batch:.1f}",
+                f"{r['rate'] / 1e9:.1f}",
+                f"{r['peak']:.1f}",
+                f"{r['state']:.1f}",
+                f"{r['ms'] / rows[0]['ms']:.1f}",
+            ]
+            for r in rows
+        ],
+    )
     params = [r["step"].params for r in rows]
     rates = [r["rate"] / 1e9 for r in rows]
     print(

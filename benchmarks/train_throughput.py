@@ -43,8 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def plain_loop(config: str, shards: str, overrides: list[str], steps: int, window: int,
-               compiled: bool = False) -> dict:  # fmt: skip
+def plain_loop(
+    config: str, shards: str, overrides: list[str], steps: int, window: int, compiled: bool = False
+) -> dict:
     """images/s per window of `window` steps (first window dropped) of a bare training loop;
     `compiled`: its blocks compiled as the pipeline compiles them (ssl_vit.engine.compile)."""
     import torch
@@ -55,8 +56,9 @@ def plain_loop(config: str, shards: str, overrides: list[str], steps: int, windo
     from ssl_vit.engine.build import build_from_config
     from ssl_vit.engine.precision import resolve_precision
 
-    cfg = load_config(config, [f"data.root={shards}", "train.epochs=null", "train.steps=1",
-                               *overrides])  # fmt: skip
+    cfg = load_config(
+        config, [f"data.root={shards}", "train.epochs=null", "train.steps=1", *overrides]
+    )
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the pipeline's
     objective, _, _ = build_from_config(cfg, load_manifest(shards))
@@ -67,13 +69,18 @@ def plain_loop(config: str, shards: str, overrides: list[str], steps: int, windo
         compile_blocks(objective)
     autocast = resolve_precision(cfg.train.precision) == "bf16"
     batch = cfg.train.global_batch
-    loader = make_eval_loader(shards, "train", batch_size=512, img_size=cfg.model.img_size,
-                              num_workers=0)  # fmt: skip
+    loader = make_eval_loader(
+        shards, "train", batch_size=512, img_size=cfg.model.img_size, num_workers=0
+    )
     n = max(4096, 2 * batch)
     images = torch.cat([x for x, _ in itertools.islice(loader, -(-n // 512))])[:n].to(device)
     labels = torch.zeros(batch, dtype=torch.long, device=device)
-    opt = torch.optim.AdamW(objective.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                            weight_decay=cfg.optim.weight_decay)  # fmt: skip
+    opt = torch.optim.AdamW(
+        objective.parameters(),
+        lr=cfg.optim.lr,
+        betas=cfg.optim.betas,
+        weight_decay=cfg.optim.weight_decay,
+    )
     gen = torch.Generator(device).manual_seed(0)
     rates = []
     t0 = time.perf_counter()
@@ -90,20 +97,38 @@ def plain_loop(config: str, shards: str, overrides: list[str], steps: int, windo
             now = time.perf_counter()
             rates.append(window * batch / (now - t0))
             t0 = now
-    return {"rates": rates[1:], "precision": "bf16" if autocast else "fp32",
-            "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "rates": rates[1:],
+        "precision": "bf16" if autocast else "fp32",
+        "threads": torch.get_num_threads(),
+    }
 
 
 def pipeline(args: argparse.Namespace, overrides: list[str]) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, "pipelines/mpp_pretrain.py", "--config", args.config,
-               f"data.root={args.shards}", f"run.dir={run}", "train.epochs=null",
-               f"train.steps={args.steps}", f"run.log_every={args.log_every}",
-               f"run.checkpoint_every={10 * args.steps}", "monitor.knn_every=0",
-               f"tracking.uri=sqlite:///{Path(tmp) / 'mlflow.db'}", *overrides]  # fmt: skip
-        subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                       stdout=subprocess.DEVNULL)  # fmt: skip
+        cmd = [
+            sys.executable,
+            "pipelines/mpp_pretrain.py",
+            "--config",
+            args.config,
+            f"data.root={args.shards}",
+            f"run.dir={run}",
+            "train.epochs=null",
+            f"train.steps={args.steps}",
+            f"run.log_every={args.log_every}",
+            f"run.checkpoint_every={10 * args.steps}",
+            "monitor.knn_every=0",
+            f"tracking.uri=sqlite:///{Path(tmp) / 'mlflow.db'}",
+            *overrides,
+        ]
+        subprocess.run(
+            cmd,
+            cwd=ROOT,
+            check=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.DEVNULL,
+        )
         rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()][1:]
         ds = json.loads((run / "ds_config.json").read_text())
     return rows, ds
@@ -123,8 +148,11 @@ def full_run_mode(config: str, shards: str, overrides: list[str]) -> str:
 
     cfg = load_config(config, [f"data.root={shards}", *overrides])
     n = load_manifest(shards).splits[cfg.data.split].num_samples
-    images = cfg.train.steps * cfg.train.global_batch if cfg.train.steps else (
-        cfg.train.epochs * n * (1 - holdout_fraction(cfg)))  # fmt: skip
+    images = (
+        cfg.train.steps * cfg.train.global_batch
+        if cfg.train.steps
+        else (cfg.train.epochs * n * (1 - holdout_fraction(cfg)))
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return resolve_compile(cfg.train.compile, int(images), cfg.train.zero_stage, device)[0]
 
@@ -143,8 +171,9 @@ def _round(args: argparse.Namespace, overrides: list[str], reverse: bool) -> dic
     order = [("plain", False), ("pipeline", False), ("pipeline", True), ("plain", True)]
     for kind, compiled in reversed(order) if reverse else order:
         if kind == "plain":
-            rates = plain_loop(args.config, args.shards, overrides, args.steps, args.log_every,
-                               compiled)["rates"]  # fmt: skip
+            rates = plain_loop(
+                args.config, args.shards, overrides, args.steps, args.log_every, compiled
+            )["rates"]
             out[kind, compiled] = statistics.median(rates)
         else:
             rows, out["ds"] = pipeline(args, [*overrides, f"train.compile={str(compiled).lower()}"])
@@ -181,9 +210,11 @@ def main() -> int:
     per_round = [_as_a_full_run(r, mode) / r["plain", False] for r in rounds]
     ratio = med(per_round)
     batch, windows = rounds[0]["ds"]["train_batch_size"], rounds[0]["windows"]
-    print(f"config {args.config} {' '.join(overrides)}; global batch {batch}; "
-          f"{args.rounds} rounds, each run {windows} windows of {args.log_every} steps "
-          "after warm-up; medians")  # fmt: skip
+    print(
+        f"config {args.config} {' '.join(overrides)}; global batch {batch}; "
+        f"{args.rounds} rounds, each run {windows} windows of {args.log_every} steps "
+        "after warm-up; medians"
+    )
     how = {"on": "yes", "off": "no", "trial": "the faster, timed in the run (auto's trial)"}
     print(f"a full run of the preset compiles its blocks: {how[mode]}")
     print(f"{'':34}{'eager':>10}{'compiled':>10}")
@@ -195,20 +226,29 @@ def main() -> int:
         print(f"{label:34}{pipe[False][key] * scale:10.3f}{pipe[True][key] * scale:10.3f}")
     print(f"{'plain loop images/s':34}{plain[False]:10.1f}{plain[True]:10.1f}")
     print(f"{'pipeline / plain, like for like':34}{like[0]:10.2f}{like[1]:10.2f}")
-    print(f"pipeline as a full run trains / plain eager loop: {ratio:.2f}x  (goal >= 0.9; "
-          f"rounds: {', '.join(f'{x:.2f}' for x in per_round)})")  # fmt: skip
+    print(
+        f"pipeline as a full run trains / plain eager loop: {ratio:.2f}x  (goal >= 0.9; "
+        f"rounds: {', '.join(f'{x:.2f}' for x in per_round)})"
+    )
     if args.out is not None:
         from ssl_vit.io import atomic_write_text
         from ssl_vit.perf import describe_machine
 
         result = {
-            "config": args.config, "overrides": overrides, "steps": args.steps,
-            "rounds": args.rounds, "compile_mode": mode,
-            "plain_images_per_s": plain[False], "ratio": ratio, "ratio_per_round": per_round,
-            "pipeline_eager": pipe[False], "pipeline_compiled": pipe[True],
-            "plain_compiled_images_per_s": plain[True], "ratio_like_for_like": like,
+            "config": args.config,
+            "overrides": overrides,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "compile_mode": mode,
+            "plain_images_per_s": plain[False],
+            "ratio": ratio,
+            "ratio_per_round": per_round,
+            "pipeline_eager": pipe[False],
+            "pipeline_compiled": pipe[True],
+            "plain_compiled_images_per_s": plain[True],
+            "ratio_like_for_like": like,
             "machine": describe_machine(),
-        }  # fmt: skip
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     return 0

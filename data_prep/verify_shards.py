@@ -16,8 +16,11 @@ def main(argv: list[str] | None = None) -> int:
         "and size), and errors.jsonl against num_skipped. Prints a summary; exits 1 on any "
         "mismatch.",
     )
-    p.add_argument("root", help="the shard set: a folder or URL holding manifest.json "
-                   "(http(s)://, s3://, gs://, file://, 'pipe:CMD {}')")  # fmt: skip
+    p.add_argument(
+        "root",
+        help="the shard set: a folder or URL holding manifest.json "
+        "(http(s)://, s3://, gs://, file://, 'pipe:CMD {}')",
+    )
     p.add_argument("--no-decode", action="store_true", help="skip decoding a sample per shard")
     a = p.parse_args(argv)
     report = verify_shard_set(a.root, decode=not a.no_decode)

@@ -42,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="data loader workers")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-    p.add_argument("--tracking-uri", default=None, help="MLflow URI (default: $MLFLOW_TRACKING_URI "
-                   "or sqlite:///mlflow.db)")  # fmt: skip
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)",
+    )
     add_verbose_arg(p)
     args = p.parse_args(argv)
     if not 0 < args.holdout_fraction < 0.5 or args.num_budgets < 2 or args.grid < 2:

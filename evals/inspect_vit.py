@@ -155,9 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
         if parent_run:
             tags["ssl_vit.pretrain_run_id"] = parent_run
         with Tracker(
-            enabled=True, experiment=args.experiment, run_name=f"inspect {name}", tags=tags,
-            spool_dir=args.out / ".mlflow-spool", system_metrics=False,
-        ) as tracker:  # fmt: skip
+            enabled=True,
+            experiment=args.experiment,
+            run_name=f"inspect {name}",
+            tags=tags,
+            spool_dir=args.out / ".mlflow-spool",
+            system_metrics=False,
+        ) as tracker:
             tracker.log_params(
                 {"data": str(args.data), "split": args.split, "num_images": summary["num_images"]}
             )

@@ -82,8 +82,12 @@ def raw_pixels_backbone(
     *, img_size: int, in_chans: int, mean: list[float], std: list[float]
 ) -> EvalBackbone:
     """Raw pixels as features: the floor that a pretrained backbone has to clear."""
-    meta = {"arch": "raw-pixels", "kwargs": {"img_size": img_size, "in_chans": in_chans},
-            "mean": mean, "std": std}  # fmt: skip
+    meta = {
+        "arch": "raw-pixels",
+        "kwargs": {"img_size": img_size, "in_chans": in_chans},
+        "mean": mean,
+        "std": std,
+    }
     return EvalBackbone(
         RawPixels(), meta, f"pixels:{in_chans}x{img_size}", img_size, in_chans, "raw-pixels"
     )
@@ -198,10 +202,13 @@ def extract_features(
     handling is `extract_with`'s.
     """
     pool = resolve_pool(backbone, pool)
+
+    def read(m: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"f": pool_tokens(m, x, pool, n_last, layer)}
+
     out, labels = extract_with(
-        backbone, batches, lambda m, x: {"f": pool_tokens(m, x, pool, n_last, layer)},
-        device=device, bf16=bf16, total=total, desc=desc,
-    )  # fmt: skip
+        backbone, batches, read, device=device, bf16=bf16, total=total, desc=desc
+    )
     return out["f"], labels
 
 
@@ -222,9 +229,8 @@ def extract_with(
     Images are scaled to [0, 1], resized to the backbone's input size when they differ,
     grey images are repeated to 3 channels for an RGB backbone, then normalised with the
     backbone's mean/std from backbone.json. bf16 autocast defaults to on for CUDA and off for
-    CPU: measured on an AVX2 CPU without AVX512-BF16/AMX (AMD EPYC, 2 threads), ViT-Ti/4 at
-    28 px ran 45 img/s in fp32 and 7 img/s under bf16 autocast (features agree to cos > 0.9999).
-    Pass bf16=True on CPUs with native bf16 (AMX), where it can be faster. One pass can read
+    CPU, where it is emulated and several times slower without AVX512-BF16/AMX (pass bf16=True
+    on CPUs that have them). One pass can read
     several features (every block's, to choose a read-out); `dtype` is what they are kept in.
     """
     device = device or default_device()
@@ -267,10 +273,6 @@ def extract_with(
     if not labels:
         raise FeatureError(f"{desc}: the split yielded no images; check the shard set")
     return {k: np.concatenate(v) for k, v in feats.items()}, np.concatenate(labels)
-
-
-# ---------------------------------------------------------------------------------------------
-# Cache
 
 
 def cache_key(fields: dict[str, Any]) -> str:
@@ -363,25 +365,25 @@ def split_features(
     info = manifest.split(split)  # raises naming the manifest and the splits it has
     device = device or default_device()
     bf16 = (device.type == "cuda") if bf16 is None else bf16
-    fields = feature_fields(
-        backbone, str(manifest.root), split, pool=pool, n_last=n_last, layer=layer,
-        device=device, bf16=bf16,
-    )  # fmt: skip
+    how = dict(pool=pool, n_last=n_last, layer=layer, device=device, bf16=bf16)
+    fields = feature_fields(backbone, str(manifest.root), split, **how)
 
     def compute() -> tuple[np.ndarray, np.ndarray]:
         batches = eval_batches(
             str(manifest.root), split, batch_size, num_workers, backbone.img_size
         )
         f, y = extract_features(
-            backbone, batches, pool=pool, n_last=n_last, layer=layer, device=device,
-            bf16=bf16, total=info.num_samples, desc=f"{split} features",
-        )  # fmt: skip
+            backbone, batches, **how, total=info.num_samples, desc=f"{split} features"
+        )
         if len(y) != info.num_samples:  # the loader skips (and reports) corrupt samples
             log.warning(
                 "%s: split %r lists %d samples but %d were readable; results cover those only "
                 "(run data_prep/verify_shards.py)",
-                join(str(manifest.root), MANIFEST_NAME), split, info.num_samples, len(y),
-            )  # fmt: skip
+                join(str(manifest.root), MANIFEST_NAME),
+                split,
+                info.num_samples,
+                len(y),
+            )
         return f, y
 
     fs = cached(cache_dir, fields, compute)

@@ -206,5 +206,7 @@ def describe_machine() -> str:
         cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}; {os.cpu_count()} cores; {mem:.0f} GiB RAM; {gpu}; "
-            f"Python {platform.python_version()}; torch {torch.__version__}")  # fmt: skip
+    return (
+        f"{cpu}; {os.cpu_count()} cores; {mem:.0f} GiB RAM; {gpu}; "
+        f"Python {platform.python_version()}; torch {torch.__version__}"
+    )

@@ -8,19 +8,10 @@ several times faster than torch kernels on small images); batches leave as uint8
 tensors, and normalisation with the manifest's mean/std happens later, on the device, inside
 the objective.
 
-The loader workers share two CPU cores with training on a small machine, so every microsecond
-per sample shows in training speed (benchmarks/train_throughput.py): an 8-bit PNG already in
-the target mode (what data_prep writes) is decoded by torchvision's libpng op, about 10 us faster
-per sample than PIL's Python-side open, and an 8-bit JPEG whose components are the target's by
-its libjpeg-turbo op (about 240 us against PIL's 400 for a 256 x 320 photo, the same pixels);
-a crop box that is the whole image at the output size skips the resize, and a flip is a numpy
-view. Any other image takes the PIL path; both give the same pixels (tests/test_augment.py).
-RGB crops to TORCH_RESIZE_MIN px and more are resampled by torch's uint8 kernel, PIL's filter
-in coarser fixed point (about 270 us against 550 to 224 px; pixels within a level of PIL's, see
-crop_resize), and `to_batch` copies each image once, straight into its place in the batch (in
-shared memory inside a loader worker). Per 224-px training image of benchmarks/photo_set.py's
-photos, on one core: about 1,450 us before these paths, 850 with them
-(benchmarks/jpeg_loader.py compares the loader with torchvision's ImageFolder pipeline).
+Loader workers share the CPU with training, so the per-sample path is kept short: PNGs and
+JPEGs already in the target mode go through torchvision's libpng / libjpeg-turbo ops (the same
+pixels as PIL, tests/test_augment.py), a whole-image crop skips the resize, a flip is a view,
+large RGB crops use torch's resampler, and `to_batch` copies each image once.
 
 Randomness comes from an explicit `random.Random` seeded per chunk of a batch (never torch's
 global RNG; see ssl_vit.data.datasets), so a sample's augmentation depends only on (seed,
@@ -63,11 +54,8 @@ def _image_op(name: str):
 _DECODE_PNG = _image_op("decode_png")
 _DECODE_JPEG = _image_op("decode_jpeg")
 _GRAY, _RGB = 1, 3  # torchvision's ImageReadMode values
-# torch's antialiased bilinear kernel, as F.interpolate(..., antialias=True) calls it (here with
-# explicit scales): for uint8 RGB its AVX2 path is PIL's algorithm in 16-bit fixed point. Used by
-# crop_resize from TORCH_RESIZE_MIN px up: below, its fixed costs (the edge strips below) lose to
-# PIL on small sources. Measured on one core: at 112 px, even from 134 x 157-px images and 1.6x
-# faster from 256-px ones; at 224 px from 256-px images, 2x faster.
+# torch's antialiased bilinear kernel (PIL's algorithm in 16-bit fixed point for uint8 RGB);
+# below TORCH_RESIZE_MIN px its fixed costs lose to PIL.
 _RESAMPLE = getattr(torch._C._nn, "_upsample_bilinear2d_aa", None)
 TORCH_RESIZE_MIN = 112
 
@@ -269,9 +257,9 @@ def crop_params(
 def crop_resize(img: np.ndarray, size: int, box: tuple[int, int, int, int]) -> np.ndarray:
     """The (top, left, h, w) box of `img` resized to size x size (PIL bilinear, antialiased);
     the image itself when the box is all of it at that size already. From TORCH_RESIZE_MIN px
-    up, RGB images are resampled by torch's kernel (`_resize_torch`, about 2x faster at 224 px):
-    PIL's pixels within 1 level (2 for a few values in 10^8; tests/test_augment.py). Gray
-    images, smaller outputs and what torch's kernel cannot take get PIL's exact pixels."""
+    up, RGB images are resampled by torch's kernel (`_resize_torch`): PIL's pixels within 1
+    level (2 for a few values in 10^8; tests/test_augment.py). Gray images, smaller outputs
+    and what torch's kernel cannot take get PIL's exact pixels."""
     top, left, h, w = box
     if (top, left, h, w) == (0, 0, size, size) == (0, 0, *img.shape[:2]):
         return img
@@ -375,6 +363,16 @@ def _resize_torch(img: np.ndarray, size: int, box: tuple[int, int, int, int]) ->
     return pixels
 
 
+def train_box(
+    height: int, width: int, rng: random.Random, scale: tuple, ratio: tuple
+) -> tuple[int, int, int, int]:
+    """train_transform's crop box: crop_params, or the whole image (no draws) when that is the
+    only box the scale and ratio allow."""
+    if scale[0] >= 1.0 and ratio[0] <= width / height <= ratio[1]:
+        return (0, 0, height, width)
+    return crop_params(height, width, rng, scale, ratio)
+
+
 def train_transform(
     img: np.ndarray,
     rng: random.Random,
@@ -387,12 +385,7 @@ def train_transform(
 ) -> np.ndarray:  # (size, size) or (size, size, 3) uint8
     """Random resized crop to size x size, a random shift of up to `translate` pixels per axis
     (zero-filled), then a horizontal flip with probability 1/2."""
-    height, width = img.shape[:2]
-    if scale[0] >= 1.0 and ratio[0] <= width / height <= ratio[1]:
-        box = (0, 0, height, width)  # the only box of the whole area: no draws needed
-    else:
-        box = crop_params(height, width, rng, scale, ratio)
-    out = crop_resize(img, size, box)
+    out = crop_resize(img, size, train_box(*img.shape[:2], rng, scale, ratio))
     if translate:  # no draw without it: the crop and flip draws stay what they were
         out = shift_image(out, *shift_params(rng, translate))
     if hflip and rng.random() < 0.5:
@@ -427,14 +420,16 @@ def eval_transform(img: np.ndarray, size: int) -> np.ndarray:  # (size, size[, 3
 
 
 def to_batch(arrays: list[np.ndarray]) -> torch.Tensor:  # (B, C, H, W) uint8
-    """Stack HxW (grayscale) or HxWx3 (RGB) uint8 arrays into one channels-first tensor. Each is
-    copied once, straight into its place (np.stack then a channels-first copy cost two copies,
-    the first slow on flipped views of interleaved RGB: about 300 us per 224-px image)."""
+    """Stack HxW (grayscale) or HxWx3 (RGB) uint8 arrays into one channels-first tensor, each
+    copied once, straight into its place."""
     if not arrays:
         raise ValueError("to_batch needs at least one image")
     first = arrays[0]
-    shape = (len(arrays), 1, *first.shape) if first.ndim == 2 else (
-        len(arrays), first.shape[2], *first.shape[:2])  # fmt: skip
+    shape = (
+        (len(arrays), 1, *first.shape)
+        if first.ndim == 2
+        else (len(arrays), first.shape[2], *first.shape[:2])
+    )
     if get_worker_info() is not None:
         # In a DataLoader worker, straight into shared memory, as torch's default_collate does:
         # a batch in private memory is copied there again on its way to the main process.

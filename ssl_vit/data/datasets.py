@@ -115,10 +115,15 @@ class TrainStream(IterableDataset):
                 s
                 for piece in order
                 for s in read_shard(
-                    piece.ref, self.counter, start=piece.start, stop=piece.stop, keep=keep,
-                    retry=self.retry, missing=self.missing,  # type: ignore[arg-type]
+                    piece.ref,
+                    self.counter,
+                    start=piece.start,
+                    stop=piece.stop,
+                    keep=keep,
+                    retry=self.retry,
+                    missing=self.missing,  # type: ignore[arg-type]
                 )
-            )  # fmt: skip
+            )
             n = 0
             for sample in shuffle(samples):
                 n += 1
@@ -149,7 +154,7 @@ class TrainStream(IterableDataset):
             labels: list[int] = []
             for _chunk in range(100):
                 # One generator per chunk, seeded by its first position: a resume that skips
-                # whole batches meets the same seeds (a generator per sample cost ~6 us each).
+                # whole batches meets the same seeds; one per sample would cost more.
                 aug_rng = random.Random(mix_seed(self.seed, epoch, stream, pos))
                 for _ in range(self.batch):
                     sample = next(src)
@@ -181,8 +186,9 @@ class TrainStream(IterableDataset):
             size = jpeg_size(data)
             if size is not None:
                 label = sample_label(sample, labelled=self.labelled)
-                box, flip = crop_box_for(*size, rng, augment=self.augment, scale=self.scale,
-                                         hflip=self.hflip)  # fmt: skip
+                box, flip = crop_box_for(
+                    *size, rng, augment=self.augment, scale=self.scale, hflip=self.hflip
+                )
                 return (data, box, flip), label
         img, label = decode_sample(sample, channels=self.channels, labelled=self.labelled)
         return self._transform(img, rng), label
@@ -254,9 +260,14 @@ class EvalStream(IterableDataset):
             start = max(0, first - ref.offset)
             stop = min(ref.num_samples, last + 1 - ref.offset)
             yield from read_shard(
-                ref, self.counter, start=start, stop=stop, keep=keep, retry=self.retry,
+                ref,
+                self.counter,
+                start=start,
+                stop=stop,
+                keep=keep,
+                retry=self.retry,
                 missing=self.missing,  # type: ignore[arg-type]
-            )  # fmt: skip
+            )
 
     def __iter__(self) -> Iterator[tuple]:
         w, W = _worker()

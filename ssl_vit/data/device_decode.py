@@ -16,20 +16,15 @@ ceil(box side / size) bilinear samples per output pixel and axis. Enlarging a cr
 bilinear sample at the pixel centre PIL's bilinear filter uses, so the pixels match PIL's but
 for rounding (PIL rounds to 8 bits between its two passes); shrinking, it is a box average of
 bilinear samples over the output pixel's footprint, close to but a little sharper than PIL's
-antialiased triangle filter. Measured against the CPU path on textured photo-like JPEGs
-(quality 90, libjpeg decoding both sides), over random train crops of 256..341-px images: to
-224 px, mean absolute difference 0.23-0.28 gray levels, 99th percentile 1-2; to 96 px (boxes up
-to 3.5x the output), mean 0.5-0.6, 99th percentile 3-4; single pixels on sharp edges of shrunk
-crops differ by up to ~25 (tests/test_device_decode.py). The right and bottom edge of a smaller
+antialiased triangle filter: against the CPU path, a mean absolute difference under a gray
+level at 224 px (tests/test_device_decode.py bounds it). The right and bottom edge of a smaller
 image in the padded tensor is replicated one pixel into the padding, so that a box touching it
 samples no zeros (bilinear samples in its last half pixel would otherwise blend with the pad).
 A colour JPEG decoded to gray is its luma channel, where PIL converts decoded RGB: the same
 but for rounding and clipped colours (mean 0.25 levels on the test images).
 
-Memory: the padded tensor takes B x C x Hmax x Wmax x 4 bytes: 256 RGB images of 256 x 341 px
-take about 270 MB, and 360 MB where portrait and landscape ones mix (Hmax = Wmax = 341); beside
-it are the decoded uint8 images (a quarter of that) and the float output (B x C x size x size x
-4). Batches are therefore processed `chunk` images at a time.
+Memory: the padded float tensor takes B x C x Hmax x Wmax x 4 bytes (about 360 MB for 256 RGB
+images of 256 x 341 px in both orientations), so batches go `chunk` images at a time.
 
 Contract: every sample must be a JPEG whose box lies inside it; a sample that is not one, does
 not decode, or whose box does not fit raises `DeviceDecodeError`, a ValueError carrying the batch
@@ -47,7 +42,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
 
-from .augment import crop_params, jpeg_frame
+from .augment import jpeg_frame, train_box
 
 Buffer = bytes | bytearray | memoryview
 
@@ -90,11 +85,7 @@ def crop_box_for(
     if not augment:
         side = min(height, width)
         return ((height - side) // 2, (width - side) // 2, side, side), False
-    if scale[0] >= 1.0 and ratio[0] <= width / height <= ratio[1]:
-        box = (0, 0, height, width)  # train_transform's shortcut: no draws
-    else:
-        box = crop_params(height, width, rng, scale, ratio)
-    return box, hflip and rng.random() < 0.5
+    return train_box(height, width, rng, scale, ratio), hflip and rng.random() < 0.5
 
 
 def decode_crop_batch(

@@ -16,7 +16,6 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 RESIZE_MODES = ("none", "shorter", "longer", "center-crop")
 FORMATS = ("keep", "png", "jpg", "webp")
-_PIL_FORMAT = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
 _EXT_OF_PIL = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
 _ORIENTATION = 0x0112
 _ALPHA_MODES = ("RGBA", "LA", "PA", "La", "RGBa")

@@ -1,12 +1,10 @@
 """Training batches from a split decoded once into RAM (`data.in_memory`), for splits that fit.
 
-Why: the streaming loader (ssl_vit.data.stream) pays tar parsing, PNG decoding and augmentation
-for every sample of every epoch, in worker processes that share the CPU with the training step.
-On a small machine that is a few percent of training speed (benchmarks/train_throughput.py),
-and for a small dataset it buys nothing: Fashion-MNIST's training split decodes to 45 MB. Here
-the split is decoded once at start (by the streaming eval reader's workers, so corrupt samples
-are dropped and counted the same way), held as one uint8 tensor, and each batch is an index
-gather plus batched augmentation in the training process: no worker runs beside the step.
+Why: the streaming loader (ssl_vit.data.stream) parses, decodes and augments every sample of
+every epoch in workers that share the CPU with the training step; a small split (Fashion-MNIST's
+decodes to 45 MB) is better decoded once at start (by the streaming eval reader, so corrupt
+samples are dropped and counted the same way), held as one uint8 tensor, and batched by an
+index gather plus batched augmentation in the training process.
 
 Contract, as the streaming TrainLoader's: `steps_per_epoch = num_samples // global_batch` on
 every rank; held-out samples (ssl_vit.data.holdout) are never yielded; `set_epoch(e, k)` yields
@@ -22,11 +20,9 @@ Every rank decodes the whole split (each needs every sample across epochs); `aut
 counts the decoded bytes once per rank against MEMORY_BUDGET.
 
 On a GPU (`device`), the decoded split is held in its memory and each batch is gathered,
-resampled and flipped there: on an H200 the same work on the host took 73% of each step of the
-hybrid preset (2,500 images/s; benchmarks/device_study.sh): small tensor ops whose time grows
-with busy host threads (on 2 busy cores here, 10.7 ms a batch with one thread, 106 with two).
-The augmentation draws are the same on either device; GPU resampling may round a pixel
-differently from the CPU's.
+resampled and flipped there (on the host, small tensor ops that slow down with busy host
+threads took most of a small model's step). The augmentation draws are the same on either
+device; GPU resampling may round a pixel differently from the CPU's.
 """
 
 from __future__ import annotations
@@ -94,18 +90,28 @@ def _decode_split(
     n = sum(r.num_samples for r in shards)
     h, w = manifest.image_size  # type: ignore[misc]
     stream = EvalStream(
-        shards, channels=manifest.channels, labelled=manifest.class_names is not None, lo=0,
-        hi=n, batch=1024, img_size=h, with_keys=False, counter=counter, subset=None,
+        shards,
+        channels=manifest.channels,
+        labelled=manifest.class_names is not None,
+        lo=0,
+        hi=n,
+        batch=1024,
+        img_size=h,
+        with_keys=False,
+        counter=counter,
+        subset=None,
         with_indices=True,
-    )  # fmt: skip
+    )
     images = torch.empty((n, manifest.channels, h, w), dtype=torch.uint8)
     labels = torch.empty(n, dtype=torch.int64)
     index = torch.empty(n, dtype=torch.int64)
     got = 0
     for imgs, labs, idx in DataLoader(
-        stream, batch_size=None, num_workers=workers,
+        stream,
+        batch_size=None,
+        num_workers=workers,
         multiprocessing_context=ctx if workers > 0 else None,
-    ):  # fmt: skip
+    ):
         if imgs.shape[2:] != (h, w):
             raise ValueError(
                 f"{manifest.root}: a {split} image is {tuple(imgs.shape[2:])}, not the "
@@ -117,7 +123,18 @@ def _decode_split(
     return images[:got], labels[:got], index[:got]
 
 
-class MemoryTrainLoader:
+class LoaderCounts:
+    """What every loader reports: skipped samples, shard errors (its `counter`) and the shard
+    set's channels, mean and std (its `manifest`)."""
+
+    num_skipped = property(lambda self: self.counter.samples)  # corrupt or lost samples so far
+    num_shard_errors = property(lambda self: self.counter.shard_errors)
+    channels = property(lambda self: self.manifest.channels)
+    mean = property(lambda self: self.manifest.mean)
+    std = property(lambda self: self.manifest.std)
+
+
+class MemoryTrainLoader(LoaderCounts):
     """`len(self)` batches of one epoch from RAM; `set_epoch` moves on. See the module doc."""
 
     def __init__(
@@ -151,11 +168,6 @@ class MemoryTrainLoader:
         self.epoch = self.skip_batches = 0
 
     num_samples = property(lambda self: len(self.images))
-    num_skipped = property(lambda self: self.counter.samples)
-    num_shard_errors = property(lambda self: self.counter.shard_errors)
-    channels = property(lambda self: self.manifest.channels)
-    mean = property(lambda self: self.manifest.mean)
-    std = property(lambda self: self.manifest.std)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         if not 0 <= skip_batches <= self.steps_per_epoch:
@@ -187,8 +199,10 @@ class MemoryTrainLoader:
         h, w = images.shape[-2:]
         size, lo = self.img_size, self.rank * self.batch_size
         whole = self.scale[0] >= 1.0 and 3 / 4 <= w / h <= 4 / 3
-        boxes = [(0, 0, h, w) if whole else crop_params(h, w, rng, self.scale)
-                 for _ in range(self.global_batch)][lo : lo + self.batch_size]  # fmt: skip
+        boxes = [
+            (0, 0, h, w) if whole else crop_params(h, w, rng, self.scale)
+            for _ in range(self.global_batch)
+        ][lo : lo + self.batch_size]
         flips = [self.hflip and rng.random() < 0.5 for _ in range(self.global_batch)]
         if whole:
             if (h, w) != (size, size):
@@ -224,8 +238,9 @@ def _crop_resize(images: torch.Tensor, boxes: list[tuple], size: int) -> torch.T
     theta[:, 0, 0], theta[:, 0, 2] = bw / W, (2 * left + bw) / W - 1  # x: box centre, width
     theta[:, 1, 1], theta[:, 1, 2] = bh / H, (2 * top + bh) / H - 1
     grid = F.affine_grid(theta, [B, C, size, size], align_corners=False)
-    out = F.grid_sample(images.float(), grid, mode="bilinear", padding_mode="border",
-                        align_corners=False)  # fmt: skip
+    out = F.grid_sample(
+        images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False
+    )
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
@@ -237,8 +252,9 @@ def _centre_resize(images: torch.Tensor, size: int, square: bool = True) -> torc
         side = min(h, w)
         top, left = (h - side) // 2, (w - side) // 2
         images = images[..., top : top + side, left : left + side]
-    out = F.interpolate(images.float(), size=(size, size), mode="bilinear", antialias=True,
-                        align_corners=False)  # fmt: skip
+    out = F.interpolate(
+        images.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
@@ -266,7 +282,14 @@ def load_training_samples(
     keep = ~torch.isin(index, torch.from_numpy(unused))
     images, labels = images[keep].contiguous(), labels[keep].contiguous()
     secs = time.perf_counter() - start
-    log.info("%s: %d %s images decoded into RAM (%.0f MB) in %.1f s, %.0f images/s; %d skipped",
-             manifest.root, len(images), split, images.numel() / 2**20, secs,
-             len(index) / max(secs, 1e-9), counter.samples)  # fmt: skip
+    log.info(
+        "%s: %d %s images decoded into RAM (%.0f MB) in %.1f s, %.0f images/s; %d skipped",
+        manifest.root,
+        len(images),
+        split,
+        images.numel() / 2**20,
+        secs,
+        len(index) / max(secs, 1e-9),
+        counter.samples,
+    )
     return images, labels

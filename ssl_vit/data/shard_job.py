@@ -79,8 +79,6 @@ class Summary:
     up_to_date: bool = False
 
 
-# ----------------------------------------------------------------------------- workers
-
 _OPTS: ImageOptions | None = None
 
 
@@ -117,9 +115,6 @@ def _work(task: tuple[str | None, np.ndarray | None, bool]) -> tuple[Encoded | N
         return None, f"unexpected {type(e).__name__} while decoding: {e}"
 
 
-# ----------------------------------------------------------------------------- progress
-
-
 class Progress:
     """tqdm with images/s on a TTY, otherwise a log line every `every` seconds."""
 
@@ -154,9 +149,6 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-# ----------------------------------------------------------------------------- output folder
 
 
 def fingerprint(source: Path, opts: ShardOptions) -> dict[str, Any]:
@@ -209,9 +201,6 @@ def prepare(source: Path, opts: ShardOptions) -> tuple[Listing, ShardOptions, li
         mode = "L" if listing.grayscale else "RGB"
         opts = replace(opts, image=replace(opts.image, mode=mode))
     return listing, opts, make_plan(listing, opts)
-
-
-# ----------------------------------------------------------------------------- the job
 
 
 def run_job(
@@ -300,9 +289,6 @@ def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: in
             pool.terminate()
             pool.join()
     return len(todo)
-
-
-# ----------------------------------------------------------------------------- merge
 
 
 def _mean_std(stats: list[dict[str, Any]], channels: int) -> tuple[list[float], list[float]]:

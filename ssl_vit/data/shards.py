@@ -12,15 +12,10 @@ remote shard), then passes over at most `index_every - 1` samples without readin
 where the source can seek (a local file, http(s), s3, gs) or reading and dropping them where it
 cannot (a pipe). Without an index, it walks the shard's headers from its start (ssl_vit.data.urls).
 
-A remote read that fails (reset, cut short, timeout, 5xx) is retried from the sample it was
-reading, with backoff (`Retry`); a shard still unreadable after that, or missing (404, no such
-key), is an error under missing="error" and is skipped and counted under missing="skip". A
-local shard that is truncated or corrupt ends early (retrying cannot mend a file); its lost
-samples are counted. Counts live in a `ReadCounter`, whose counters are in shared memory so that
-DataLoader workers write them and the main process reads them: samples skipped, shard errors,
-retries, and the samples and bytes actually read (how the loader proves that no shard is read
-twice per epoch). `report_skip` logs skip events, rate-limited per process. Used by
-ssl_vit.data.stream (the loaders).
+Failed reads are retried from the sample they reached (`Retry`; docs/streaming.md says what
+each failure does). A `ReadCounter` keeps, in shared memory written by the workers and read by
+the main process, samples skipped, shard errors, retries, and the samples and bytes really read.
+`report_skip` logs skip events, rate-limited per process.
 """
 
 from __future__ import annotations
@@ -106,8 +101,13 @@ def select_shards(
     urls = [join(str(manifest.root), info.name) for info in infos]
     gone = {u for u in urls if exists(u) is False}
     if gone:
-        log.warning("%d of %d %s shards missing, skipped (first: %s)",
-                    len(gone), len(urls), split, min(gone))  # fmt: skip
+        log.warning(
+            "%d of %d %s shards missing, skipped (first: %s)",
+            len(gone),
+            len(urls),
+            split,
+            min(gone),
+        )
     refs, offset = [], 0
     for info, url in zip(infos, urls, strict=True):
         if url in gone:
@@ -199,8 +199,13 @@ def read_shard(
         if not ref.remote or is_missing(error) or failures >= retry.attempts:
             break
         counter.add(retries=1)
-        log.warning("%s: read failed (%s: %s); retrying from sample %d", ref.url,
-                    type(error).__name__, error, nxt)  # fmt: skip
+        log.warning(
+            "%s: read failed (%s: %s); retrying from sample %d",
+            ref.url,
+            type(error).__name__,
+            error,
+            nxt,
+        )
         time.sleep(retry.backoff * 2 ** (failures - 1))
     if error is None and nxt >= stop:
         return

@@ -121,9 +121,6 @@ def open_source(
     return listing
 
 
-# ----------------------------------------------------------------------------- image folders
-
-
 def _image_folder(root: Path, *, follow_symlinks: bool) -> Listing:
     root_real = root.resolve()
     errors: list[dict[str, str]] = []
@@ -210,9 +207,6 @@ def _walk(
 
     visit(top)
     return out
-
-
-# ----------------------------------------------------------------------------- list files
 
 
 _Row = tuple[str, str | int | None, str | None]  # (path, label, split)
@@ -313,9 +307,6 @@ def _list_file(path: Path) -> Listing:
         fixed = SPLIT_FOLDERS[split.lower()] if split else None
         items.append(Item(rel, label, str(full), split=fixed))
     return Listing("list", items, errors, names, grayscale=False, numeric_labels=numeric)
-
-
-# ----------------------------------------------------------------------------- IDX datasets
 
 
 def _idx_pairs(folder: Path) -> dict[str, tuple[Path, Path | None]]:

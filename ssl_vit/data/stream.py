@@ -1,14 +1,9 @@
 """Streaming input from a shard set: split by rank and worker, shuffle, decode, augment, batch.
 
-What webdataset does here: pipe: URLs (its gopen) and the shuffle buffer. What we do instead,
-and why: the split of shards over ranks and workers (webdataset's split_by_node/split_by_worker
-hand out whole shards, so with fewer shards than streams some streams get none and ranks run
-unequal step counts; ours cuts the epoch's samples into equal quotas at any stream count,
-entering shards mid-way through the manifest's offset index), an exact mid-epoch resume (the
-batches k.. of the interrupted epoch, on every rank and worker: tests/test_stream.py::
-test_skip_batches_is_the_tail and the kill-and-resume runs of tests/test_faults.py), remote
-files through fsspec (ranged reads, which that index needs; webdataset's http opener streams a
-whole file through curl), and the tar parsing (ssl_vit.data.tar_reader, measured there).
+webdataset gives pipe: URLs (its gopen) and the shuffle buffer. The rest is ours: equal
+per-stream quotas at any stream count (webdataset hands out whole shards, so with fewer shards
+than streams ranks run unequal step counts), an exact mid-epoch resume, remote files through
+fsspec's ranged reads (which the offset index needs), and the tar parsing (tar_reader).
 
 Public API:
 
@@ -23,14 +18,10 @@ Public API:
         ...                            # every sample once, in manifest order (rank's part)
 
 Train loader. Every rank runs exactly `steps_per_epoch = num_samples // global_batch` batches
-per epoch, whatever the shard count, so DDP never hangs. Each DataLoader worker of each rank is
-one "stream" (P = world_size x max(1, num_workers) of them). Which samples each stream reads is
-ssl_vit.data.stream_plan: by default every training sample exactly once per epoch at any P (the
-epoch's shuffled shards laid end to end and cut into the streams' quotas, a stream starting
-inside a shard through the manifest's offset index); with `resampled=True`, shards drawn with
-replacement. Shard order, buffer shuffle and augmentation are seeded by (seed, epoch, stream,
-position), so an epoch is reproducible. `loader.read_factor` is how many times the epoch's plan
-reads the shard set; `loader.counter` counts the samples and bytes really read.
+per epoch, whatever the shard count, so DDP never hangs. Which samples each stream (one worker
+of one rank) reads is ssl_vit.data.stream_plan. Shard order, buffer shuffle and augmentation
+are seeded by (seed, epoch, stream, position), so an epoch is reproducible. `loader.read_factor`
+is how many times the epoch's plan reads the shard set; `loader.counter` counts what was read.
 
 Workers live across epochs (persistent): `set_epoch` writes the epoch to shared memory, where
 each worker reads it when the next epoch's iteration starts. Batches travel from the workers
@@ -43,17 +34,12 @@ resumed loader plays the role of worker (k + w) % W of the uninterrupted one, wh
 torch's round-robin worker order aligned with the global batch order.
 
 Bad data. A corrupt sample (undecodable image, bad or missing .cls, no image) is skipped and
-counted, and its place in the batch is filled with a copy of a good sample of the same batch
-(so batch shapes and the batch -> samples mapping stay fixed, which keeps resume exact). A
-truncated or vanished shard ends early; its missing samples are counted. Counts live in shared
-memory: `loader.num_skipped` (samples, cumulative over the loader's life, all workers) and
-`loader.num_shard_errors` (shards that failed to open or ended early), readable any time from
-the main process. They lag the consumed batches by the prefetch depth. A shard missing at
-construction is a one-line ManifestError (missing="error"), or dropped with a warning
-(missing="skip"; the epoch length is then computed without it). Selecting and reading shards,
-and the counters: ssl_vit.data.shards (the tar parsing, ours for speed: ssl_vit.data.tar_reader;
-opening local files and URLs, with retries: ssl_vit.data.urls);
-the two IterableDatasets: ssl_vit.data.datasets.
+counted, its place in the batch taken by a copy of a good sample of the same batch (fixed batch
+shapes keep resume exact). A truncated or vanished shard ends early; its missing samples are
+counted. `loader.num_skipped` and `loader.num_shard_errors` live in shared memory (they lag
+the consumed batches by the prefetch depth). A shard missing at construction is a one-line
+ManifestError (missing="error"), or dropped with a warning (missing="skip"). Reading shards and
+the counters: ssl_vit.data.shards; the two IterableDatasets: ssl_vit.data.datasets.
 
 Held-out samples. `holdout_fraction=f` (ssl_vit.data.holdout) removes a fixed, hashed share
 f of the split's samples (by manifest index) from the train loader: no stream ever yields them,
@@ -83,14 +69,14 @@ from .datasets import EpochPosition, EvalStream, TrainStream
 from .device_decode import DeviceDecodeError, decode_crop_batch
 from .holdout import excluded_indices, held_out_indices
 from .manifest import Manifest, load_manifest
-from .memory import MemoryTrainLoader, load_training_samples
+from .memory import LoaderCounts, MemoryTrainLoader, load_training_samples
 from .shards import ReadCounter, report_skip, select_shards
 from .stream_plan import Exclusions, read_factor
 from .urls import Retry
 from .workers import worker_context
 
 
-class ShardLoader:
+class ShardLoader(LoaderCounts):
     """Iterates a stream through a torch DataLoader; batches are assembled in the workers,
     which persist across epochs (one DataLoader for the loader's life)."""
 
@@ -102,28 +88,6 @@ class ShardLoader:
     @property
     def counter(self) -> ReadCounter:
         return self.dataset.counter
-
-    @property
-    def num_skipped(self) -> int:
-        """Samples skipped so far (corrupt, or lost in a truncated/vanished shard)."""
-        return self.counter.samples
-
-    @property
-    def num_shard_errors(self) -> int:
-        """Shards that failed to open or ended before their manifest count."""
-        return self.counter.shard_errors
-
-    @property
-    def channels(self) -> int:
-        return self.manifest.channels
-
-    @property
-    def mean(self) -> list[float]:
-        return self.manifest.mean
-
-    @property
-    def std(self) -> list[float]:
-        return self.manifest.std
 
     def _dataloader(self) -> DataLoader:
         if self._loader is None:
@@ -198,16 +162,23 @@ class TrainLoader(ShardLoader):
         d = self.dataset
         encoded = list(torch.split(blob, lengths.tolist())) if len(lengths) else []
         device = self._dl["device"]
-        images = torch.empty((len(labels), d.channels, d.img_size, d.img_size),
-                             dtype=torch.uint8, device=device)  # fmt: skip
+        images = torch.empty(
+            (len(labels), d.channels, d.img_size, d.img_size), dtype=torch.uint8, device=device
+        )
         other = torch.ones(len(labels), dtype=torch.bool)
         other[where] = False
         images[other.to(device)] = pixels.to(device, non_blocking=True)
         todo, lost = list(range(len(encoded))), []
         while todo:  # a JPEG that will not decode there is decoded here, or is lost
             try:
-                out = decode_crop_batch([encoded[i] for i in todo], boxes[todo], flips[todo],
-                                        d.img_size, d.channels, device)  # fmt: skip
+                out = decode_crop_batch(
+                    [encoded[i] for i in todo],
+                    boxes[todo],
+                    flips[todo],
+                    d.img_size,
+                    d.channels,
+                    device,
+                )
                 images[where[todo].to(device)] = out
                 break
             except DeviceDecodeError as e:
@@ -266,6 +237,18 @@ def _common(root: str | Path, split: str, num_workers: int, ctx: str | None, mis
     shards = select_shards(manifest, split, missing)  # type: ignore[arg-type]
     mp_ctx = worker_context(ctx)
     return manifest, shards, mp_ctx, ReadCounter(mp_ctx)
+
+
+def _dl_options(num_workers, pin_memory, prefetch_factor, timeout, ctx) -> dict[str, Any]:
+    """The DataLoader settings a ShardLoader keeps (pinned memory by default where CUDA is)."""
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    return dict(
+        num_workers=num_workers,
+        pin_memory=pin,
+        prefetch_factor=prefetch_factor,
+        timeout=timeout,
+        ctx=ctx,
+    )
 
 
 def make_train_loader(
@@ -336,35 +319,50 @@ def make_train_loader(
             f"one global batch of {global_batch}; lower the batch size"
             + (f" or raise data.train_fraction={train_fraction}" if train_fraction < 1 else "")
         )
+    aug = dict(
+        img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip, translate=translate
+    )
+    part = dict(rank=rank, world_size=world_size, seed=seed, counter=counter)
     if in_memory:
         loader: TrainLoader | MemoryTrainLoader = MemoryTrainLoader(
-            images, labels, manifest=manifest, split=split, global_batch=global_batch,
-            rank=rank, world_size=world_size, img_size=img_size, seed=seed, augment=augment,
-            scale=scale, hflip=hflip, counter=counter, translate=translate, device=device,
-        )  # fmt: skip
+            images,
+            labels,
+            manifest=manifest,
+            split=split,
+            global_batch=global_batch,
+            **part,
+            **aug,
+            device=device,
+        )
         loader.set_epoch(epoch, skip_batches)
         return loader
     dataset = TrainStream(
-        shards, channels=manifest.channels, labelled=manifest.class_names is not None,
-        rank=rank, world_size=world_size, workers=max(1, num_workers),
-        batch=global_batch // world_size, steps=steps, seed=seed,
-        position=EpochPosition(ctx, epoch, 0), img_size=img_size, augment=augment,
-        scale=tuple(scale), hflip=hflip, translate=translate, shuffle_buffer=shuffle_buffer,
-        shuffle_initial=shuffle_initial, counter=counter, exclusions=exclusions,
-        resampled=resampled, retry=retry or Retry(), missing=missing,
+        shards,
+        channels=manifest.channels,
+        labelled=manifest.class_names is not None,
+        workers=max(1, num_workers),
+        batch=global_batch // world_size,
+        steps=steps,
+        position=EpochPosition(ctx, epoch, 0),
+        **part,
+        **aug,
+        shuffle_buffer=shuffle_buffer,
+        shuffle_initial=shuffle_initial,
+        exclusions=exclusions,
+        resampled=resampled,
+        retry=retry or Retry(),
+        missing=missing,
         device_decode=decode == "gpu",
-    )  # fmt: skip
+    )
     if decode == "gpu" and (device is None or translate):
         raise ValueError("decode='gpu' needs a device, and translate=0 (a CPU-path shift)")
     check_shared_memory(
         dataset.batch * manifest.channels * img_size**2, num_workers, prefetch_factor
     )
+    dl = _dl_options(num_workers, pin_memory, prefetch_factor, timeout, ctx)
     loader = TrainLoader(
-        dataset, manifest=manifest, split=split, num_workers=num_workers,
-        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx, persistent=True,
-        device=device,
-    )  # fmt: skip
+        dataset, manifest=manifest, split=split, **dl, persistent=True, device=device
+    )
     loader.set_epoch(epoch, skip_batches)
     return loader
 
@@ -408,13 +406,18 @@ def make_eval_loader(
                 "holds no sample; raise data.holdout_fraction"
             )
     dataset = EvalStream(
-        shards, channels=manifest.channels, labelled=manifest.class_names is not None,
-        lo=n * rank // world_size, hi=n * (rank + 1) // world_size, batch=batch_size,
-        img_size=img_size, with_keys=with_keys, counter=counter, subset=subset,
-        retry=retry or Retry(), missing=missing,
-    )  # fmt: skip
-    return EvalLoader(
-        dataset, manifest=manifest, split=split, num_workers=num_workers,
-        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-        prefetch_factor=prefetch_factor, timeout=timeout, ctx=ctx,
-    )  # fmt: skip
+        shards,
+        channels=manifest.channels,
+        labelled=manifest.class_names is not None,
+        lo=n * rank // world_size,
+        hi=n * (rank + 1) // world_size,
+        batch=batch_size,
+        img_size=img_size,
+        with_keys=with_keys,
+        counter=counter,
+        subset=subset,
+        retry=retry or Retry(),
+        missing=missing,
+    )
+    dl = _dl_options(num_workers, pin_memory, prefetch_factor, timeout, ctx)
+    return EvalLoader(dataset, manifest=manifest, split=split, **dl)

@@ -1,16 +1,11 @@
 """Reading shards fast: a tar file's members, grouped into samples of raw bytes.
 
-webdataset reads a tar through Python's tarfile, which builds a TarInfo and parses every header
-field of every member: on Fashion-MNIST shards (three tiny members per sample) that was about
-110 us per sample on 2 cores, more than decoding and augmenting the image, and so a large part
-of what the loader workers take from training on a small machine. On photo JPEG shards (the
-2,000 224-px training images of benchmarks/photo_set.py, files in the page cache, one core) it
-was 90 us per sample through webdataset's `tarfile_samples` against 20 us here: 8% of the
-~860 us a training image costs in total (benchmarks/jpeg_loader.py). This reader parses only what
-a shard needs (name, size, type, checksum) and groups members as webdataset does: the key is the
-path up to the first dot of the file name, the rest (lower-cased) names the field. Compared side
-by side in `python benchmarks/loader.py`. The writer is ssl_vit/data/shard_writer.py (USTAR);
-GNU long names and pax `path` records are read too, other member types are skipped.
+Python's tarfile (webdataset's reader) parses every header field of every member, which costs
+more per tiny sample than decoding it; this reader parses only what a shard needs (name, size,
+type, checksum) and groups members as webdataset does: the key is the path up to the first dot
+of the file name, the rest (lower-cased) names the field (`benchmarks/loader.py` compares them).
+The writer is ssl_vit/data/shard_writer.py (USTAR); GNU long names and pax `path` records are
+read too, other member types are skipped.
 """
 
 from __future__ import annotations

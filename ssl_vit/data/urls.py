@@ -1,18 +1,12 @@
 """Where a shard set lives, and how its files are opened: a local folder or any URL.
 
-`data.root`, every evaluation's `--data` and `verify_shards.py` take any of:
-
-    shards/fashion-mnist                        a folder (or file:///abs/path/shards/fashion-mnist)
-    https://data.example.org/shards/imagenet    a web server that answers ranged GETs
-    s3://bucket/shards/imagenet                 object storage through fsspec (pip install s3fs,
-    gs://bucket/shards/imagenet                 or gcsfs; credentials as those libraries read them)
-    'pipe:aws s3 cp s3://bucket/imagenet/{} -'  webdataset's pipe form: a command that writes the
-                                                file named by {} to its standard output
-
-A file of the set is its name joined onto the root (put in place of `{}` for a pipe). Remote
-files are opened through fsspec, whose files seek with ranged requests: a reader that starts in
-the middle of a shard (the manifest's offset index) fetches only what it reads. Pipes are opened
-by webdataset's `gopen` and read from their start; a reader skips what it does not need.
+`data.root`, every evaluation's `--data` and `verify_shards.py` take a folder (or file://),
+https://, s3:// or gs:// (fsspec, with s3fs or gcsfs), or 'pipe:CMD' with {} for the file name
+(docs/streaming.md has the table). A file of the set is its name joined onto the root (put in
+place of `{}` for a pipe). Remote files are opened through fsspec, whose files seek with ranged
+requests: a reader that starts in the middle of a shard (the manifest's offset index) fetches
+only what it reads. Pipes are opened by webdataset's `gopen` and read from their start; a reader
+skips what it does not need.
 
 Transient failures (a reset connection, a body cut short, a timeout, a 5xx answer) are retried
 with exponential backoff by `Retry`; a file that does not exist (404, no such key) is not.

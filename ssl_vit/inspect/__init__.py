@@ -70,8 +70,8 @@ def _embedding_filters(ins: _Inspection, num_filters: int) -> None:
         log.info("no pixel patch projection (hybrid backbone): skipping embedding filters")
         return
     comps, ratio = embedding_filter_components(weight, num_filters)
-    ins.save("filters", plots.plot_embedding_filters(comps, ratio, title=ins.prefix),
-             "embedding_filters.png")  # fmt: skip
+    fig = plots.plot_embedding_filters(comps, ratio, title=ins.prefix)
+    ins.save("filters", fig, "embedding_filters.png")
     ins.summary["filter_variance_ratio"] = [round(float(r), 5) for r in ratio]
 
 
@@ -91,8 +91,8 @@ def _position_similarity(ins: _Inspection) -> None:
         )
         return
     sim = position_similarity(patch_position_embeddings(ins.model), patch_grid(ins.model))
-    ins.save("position", plots.plot_position_similarity(sim, title=ins.prefix),
-             "position_similarity.png")  # fmt: skip
+    fig = plots.plot_position_similarity(sim, title=ins.prefix)
+    ins.save("position", fig, "position_similarity.png")
 
 
 def _attention(ins: _Inspection, mean, std, batch_size: int, num_show: int) -> None:
@@ -116,9 +116,12 @@ def _attention(ins: _Inspection, mean, std, batch_size: int, num_show: int) -> N
     uniform = mean_pairwise_grid_distance(patch_grid(ins.model), patch_pixels(ins.model))
     H, W = images.shape[-2:]
     fig = plots.plot_attention_distance(
-        stats.distance, uniform=uniform, max_distance=float((H**2 + W**2) ** 0.5),
-        num_images=stats.num_images, title=ins.prefix,
-    )  # fmt: skip
+        stats.distance,
+        uniform=uniform,
+        max_distance=float((H**2 + W**2) ** 0.5),
+        num_images=stats.num_images,
+        title=ins.prefix,
+    )
     ins.save("distance", fig, "attention_distance.png")
     ins.summary["mean_attention_distance_px"] = stats.distance.tolist()  # (L, H)
     ins.summary["uniform_attention_distance_px"] = uniform
@@ -136,10 +139,8 @@ def _mpp_predictions(ins: _Inspection, mpp: nn.Module, num_mpp: int, seed: int) 
         log.info("MPP target %s has no single colour per patch: no panel", pred.target_kind)
         return
     pos, kinds, pc, tc = mpp_mean_colours(pred)
-    fig = plots.plot_mpp_predictions(
-        ins.images01[: pos.shape[0]], pos, kinds, pc, tc, patch=patch_pixels(ins.model),
-        title=ins.prefix,
-    )  # fmt: skip
+    shown, patch = ins.images01[: pos.shape[0]], patch_pixels(ins.model)
+    fig = plots.plot_mpp_predictions(shown, pos, kinds, pc, tc, patch=patch, title=ins.prefix)
     ins.save("mpp", fig, "mpp_predictions.png")
     hit = (pred.pred == pred.target).float()  # (S, M)
     ins.summary["mpp_shown_accuracy"] = {
@@ -176,8 +177,8 @@ def inspect_model(
         "num_images": int(images01.shape[0]),
         "grid": list(patch_grid(model)),
     }
-    ins = _Inspection(model, images01, out, f"{title}: " if title else "",
-                      next(model.parameters()).device, summary, {})  # fmt: skip
+    prefix, device = f"{title}: " if title else "", next(model.parameters()).device
+    ins = _Inspection(model, images01, out, prefix, device, summary, {})
     _embedding_filters(ins, num_filters)
     _position_similarity(ins)
     _attention(ins, mean, std, batch_size, num_show)
