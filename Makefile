@@ -47,7 +47,7 @@ test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # What a GPU node without internet lacks (wheels, deepspeed, Fashion-MNIST), packed into .whl/
-# and .fmnist/ for benchmarks/gpu_check.sh and device_study.sh. PRESENT: the node's packages
+# and .fmnist/ for benchmarks/gpu_check.sh and studies/mpp_fashion_mnist/gpu_track.sh. PRESENT: the node's packages
 # (`pip freeze` run there, or one name per line); PYTHON: its Python version.
 PYTHON_TARGET ?= 3.12
 offline-kit: setup fashion-mnist

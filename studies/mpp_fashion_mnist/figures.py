@@ -1,10 +1,10 @@
-"""The study's figures, drawn from results/study/ (never from typed numbers) into that folder."""
+"""The study's figures, drawn from its results (never from typed numbers) into that folder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from study_reading import KNN, PROBE
+from studies.mpp_fashion_mnist.records import KNN, PROBE
 
 # (label, xs, ys) or (label, xs, ys, matplotlib line style): one line of a plot
 Series = tuple
@@ -25,8 +25,9 @@ def _save(fig, out: Path) -> Path:
     return out
 
 
-def line_plot(out: Path, series: list[Series], xlabel: str, ylabel: str, title: str,
-              log_y: bool = False) -> Path | None:  # fmt: skip
+def line_plot(
+    out: Path, series: list[Series], xlabel: str, ylabel: str, title: str, log_y: bool = False
+) -> Path | None:
     """One PNG of labelled lines, the legend beside the axes; None when there is nothing to
     draw. Lines without a colour of their own take 20 distinct ones, not 10 that repeat."""
     series = [s for s in series if len(s[1]) > 1]
@@ -36,9 +37,16 @@ def line_plot(out: Path, series: list[Series], xlabel: str, ylabel: str, title: 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     palette = plt.get_cmap("tab20" if len(series) > 10 else "tab10").colors
     for i, (label, xs, ys, *style) in enumerate(series):
-        ax.plot(xs, ys, label=label, **{"marker": "o" if len(xs) < 12 else None,
-                                        "color": palette[i % len(palette)],
-                                        **(style or [{}])[0]})  # fmt: skip
+        ax.plot(
+            xs,
+            ys,
+            label=label,
+            **{
+                "marker": "o" if len(xs) < 12 else None,
+                "color": palette[i % len(palette)],
+                **(style or [{}])[0],
+            },
+        )
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log" if log_y else "linear")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -47,12 +55,16 @@ def line_plot(out: Path, series: list[Series], xlabel: str, ylabel: str, title: 
     return out
 
 
-FEATURE_MEASURES = (("kNN (k=20)", "knn", KNN), ("linear probe", "probe", PROBE),
-                    ("10-shot ridge", "fewshot", "fewshot_10shot_mean"))  # fmt: skip
+FEATURE_MEASURES = (
+    ("kNN (k=20)", "knn", KNN),
+    ("linear probe", "probe", PROBE),
+    ("10-shot ridge", "fewshot", "fewshot_10shot_mean"),
+)
 
 
-def curve_figure(r, out: Path, runs: list[tuple[str, str, tuple[int, ...]]],
-                 random_of: dict[str, str]) -> Path | None:  # fmt: skip
+def curve_figure(
+    r, out: Path, runs: list[tuple[str, str, tuple[int, ...]]], random_of: dict[str, str]
+) -> Path | None:
     """Frozen-feature accuracy against MPP pretraining epochs: one panel per measure, one
     colour per pretraining run (label, the run's step name, its snapshot epochs), each run
     starting at 0 from its own random init (`random_of`: run -> that init's evals, else
@@ -86,8 +98,14 @@ def curve_figure(r, out: Path, runs: list[tuple[str, str, tuple[int, ...]]],
             if lab not in handles:
                 handles[lab] = h
                 labels.append(lab)
-    fig.legend([handles[lab] for lab in labels], labels, loc="upper center", ncol=2,
-               fontsize="small", bbox_to_anchor=(0.5, 0.0))  # fmt: skip
+    fig.legend(
+        [handles[lab] for lab in labels],
+        labels,
+        loc="upper center",
+        ncol=2,
+        fontsize="small",
+        bbox_to_anchor=(0.5, 0.0),
+    )
     fig.suptitle("Frozen MPP features against pretraining length")
     out = _save(fig, out)
     plt.close(fig)
@@ -107,16 +125,28 @@ def loss_figure(r, out: Path, runs: list[tuple[str, str]]) -> Path | None:
         dash = "--" if label.startswith("from scratch") else ":" if "supervised" in label else "-"
         style = {"color": f"C{budgets.index(budget) % 10}", "linestyle": dash}
         rows = [row for row in r.metric_lines(step) if "train/loss" in row]
-        series.append((label, [row["train/epoch"] for row in rows],
-                       [row["train/loss"] for row in rows], style))  # fmt: skip
-    return line_plot(out, series, "epoch", "training loss",
-                     "Fine-tuning (seed 0, chosen lr) and from scratch", log_y=True)  # fmt: skip
+        series.append(
+            (
+                label,
+                [row["train/epoch"] for row in rows],
+                [row["train/loss"] for row in rows],
+                style,
+            )
+        )
+    return line_plot(
+        out,
+        series,
+        "epoch",
+        "training loss",
+        "Fine-tuning (seed 0, chosen lr) and from scratch",
+        log_y=True,
+    )
 
 
 def label_figure(r, out: Path, shares: list[tuple[float, list[str], list[str]]]) -> Path | None:
     """Fine-tuned test top-1 against the share of labels, MPP and from scratch at equal
     compute: (share, MPP fine-tune steps, from-scratch steps) per point, mean and std of seeds."""
-    from study_results import arm_scores, mean_std
+    from studies.mpp_fashion_mnist.records import arm_scores, mean_std
 
     lines = {"MPP, fine-tuned": [], "from scratch": []}
     for share, *arms in shares:
@@ -132,9 +162,12 @@ def label_figure(r, out: Path, shares: list[tuple[float, list[str], list[str]]])
         xs, ys, sds = zip(*pts, strict=True)
         ax.errorbar(xs, ys, yerr=sds, marker="o", capsize=3, linestyle=style, label=label)
     ticks = sorted({x for pts in lines.values() for x, _, _ in pts})
-    ax.set(xscale="log", xlabel="labelled share of the training images (log scale)",
-           ylabel="test top-1 (%), mean ± std of seeds",
-           title="MPP vs from scratch against labels (equal compute)")  # fmt: skip
+    ax.set(
+        xscale="log",
+        xlabel="labelled share of the training images (log scale)",
+        ylabel="test top-1 (%), mean ± std of seeds",
+        title="MPP vs from scratch against labels (equal compute)",
+    )
     ax.set_xticks(ticks, [f"{x:g}%" for x in ticks])
     ax.minorticks_off()
     ax.grid(alpha=0.3)

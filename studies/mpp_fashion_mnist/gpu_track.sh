@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The study's GPU track on one GPU, in one call: shards, then from scratch beside MPP +
-# fine-tuning (evals/study.py gpu_track), then the pipeline against the plain loop if time is left.
+# fine-tuning (steps.gpu_track), then the pipeline against the plain loop if time is left.
 #
-#   OUT=/tmp/device BUDGET=540 SSL_VIT_GIT_COMMIT=$(git rev-parse HEAD) \
-#       bash benchmarks/device_study.sh
+#   OUT=/tmp/device BUDGET=540 STUDY_GIT_COMMIT=$(git rev-parse HEAD) \
+#       bash studies/mpp_fashion_mnist/gpu_track.sh
 #   (copy .whl, .fmnist and runs/study/mpp_hybrid_gpu/export and .../export_epoch20 over first:
-#   about 64 MiB)
+#   a few tens of MiB)
 #
 # Where nothing can be installed (a GPU node with torch and timm but no internet), the other
 # dependencies travel beside the tree: .whl/*.whl (webdataset, mlflow-skinny and their needs for
@@ -15,7 +15,7 @@
 # BUDGET: seconds after which unfinished steps are stopped (they resume from their checkpoints
 # on a later call).
 # What comes back under $OUT: the study's results of the track, logs and metric lines, and the
-# MPP run's exports (the frozen evaluations of evals/study.py read them on any machine).
+# MPP run's exports (the frozen evaluations of the study read them on any machine).
 set -u
 OUT=${OUT:-/tmp/device_study}
 BUDGET=${BUDGET:-540}
@@ -46,10 +46,10 @@ echo "shards ready at $(elapsed) s"
 # Steps with a committed result are skipped, the rest run in the plan's order (the 20 + 30
 # split first); a fine-tune whose pretraining's export is not here (carried: above) pretrains
 # it again first (4 minutes).
-setsid $PY evals/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_{e20_s0,s0,s1,s2} \
+setsid $PY studies/mpp_fashion_mnist/study.py run --only mpp_hybrid_gpu ft_mpp_hybrid_gpu_{e20_s0,s0,s1,s2} \
     >"$LOGS/chain_mpp.log" 2>&1 &
 A=$!
-setsid $PY evals/study.py run --only scratch_hybrid_gpu_s{0,1,2} >"$LOGS/chain_scratch.log" 2>&1 &
+setsid $PY studies/mpp_fashion_mnist/study.py run --only scratch_hybrid_gpu_s{0,1,2} >"$LOGS/chain_scratch.log" 2>&1 &
 B=$!
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv -l 10 >"$LOGS/gpu_util.csv" 2>&1 &
 PROFILED=
@@ -63,7 +63,7 @@ while kill -0 $A 2>/dev/null || kill -0 $B 2>/dev/null; do
     fi
     if [ "$(elapsed)" -ge "$BUDGET" ]; then
         echo "budget reached at $(elapsed) s: stopping the chains"
-        kill -TERM -- -$A -$B 2>/dev/null  # each chain is a session: its training goes too
+        kill -TERM -- -$A -$B 2>/dev/null  # each chain is its own process group: its training goes too
         sleep 5
         break
     fi
@@ -84,7 +84,7 @@ for prec in fp32 bf16; do
     tail -4 "$LOGS/throughput_$prec.log"
 done
 
-tar -czf "$OUT/results.tgz" results/study/*_gpu* 2>/dev/null
+tar -czf "$OUT/results.tgz" studies/mpp_fashion_mnist/results/*_gpu* 2>/dev/null
 tar -czf "$OUT/logs.tgz" runs/study/logs "$LOGS" runs/study/*_gpu*/metrics.jsonl \
     runs/study/*_gpu*/config.yaml 2>/dev/null
 for e in export_epoch10 export_epoch20 export_epoch40; do  # export/ is export_epoch40
