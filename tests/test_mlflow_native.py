@@ -168,26 +168,6 @@ def test_study_parent_runs_nest_children(store, tmp_path, monkeypatch):
     assert client.get_run(pid).data.metrics["knn_top1"] == 0.5
 
 
-def test_study_groups_steps_by_method_and_reports_links(store, tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "evals"))
-    import study_mlflow
-
-    uri, client, _ = store
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    runs = study_mlflow.parents(tmp_path, ROOT)
-    envs = [study_mlflow.parent_env(runs, n) for n in ("mpp50", "mpp50/knn", "ft_mpp50")]
-    pid = envs[0][PARENT_ENV]
-    assert {e[PARENT_ENV] for e in envs} == {pid}
-    assert study_mlflow.parent_env(runs, "ft_scratch")[PARENT_ENV] != pid
-    out = tmp_path / "knn.json"
-    out.write_text(json.dumps({"metrics": {"knn_top1@k=20": 0.75, "knn_top1@k=10": 0.7}}))
-    study_mlflow.log_step(runs, "mpp50/knn", out)
-    assert client.get_run(pid).data.metrics == {"knn_top1_k20": 0.75}
-    lines = "\n".join(study_mlflow.report_lines(tmp_path))
-    exp = client.get_run(pid).info.experiment_id
-    assert f"| mpp50 | [{pid}](http://127.0.0.1:5000/#/experiments/{exp}/runs/{pid}) |" in lines
-
-
 TINY = [
     "model.img_size=16", "model.patch_size=4",
     "model.kwargs={depth: 2, embed_dim: 32, num_heads: 2}",

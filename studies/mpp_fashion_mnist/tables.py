@@ -1,0 +1,553 @@
+"""The tables of RESULTS.md: the main comparison, fewer labels, the longer schedules, the GPU
+runs, the frozen features, the recipes, Dynamic ViT, the inspection figures and every step.
+
+Every row of a fine-tune or frozen evaluation names the pretraining it started from (run and
+weights, where the result records them) and the code version and machine it ran on; results
+that started from different pretrainings never share a row.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from studies.mpp_fashion_mnist import steps as S
+from studies.mpp_fashion_mnist.figures import figure_lines
+from studies.mpp_fashion_mnist.records import (
+    KNN,
+    PROBE,
+    Results,
+    by_start,
+    conditions,
+    fewshot,
+    mean_std_text,
+    one_start,
+    pct,
+    readout_label,
+    start,
+    sweep_choice,
+    sweep_text,
+    welch_text,
+)
+
+LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's seed 0
+HIRES_ARM = f"ft_mpp_long_{S.HIRES}px"  # its MPP backbone fine-tuned at the higher resolution
+P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid
+SHIFT_ARMS = ("ft_mpp_long_shift_s0", "scratch_long_shift_s0")  # the longer schedule, 2-px shifts
+HYBRID_ARMS = ("ft_mpp_hybrid_s0", "scratch_hybrid_s0")  # the paper's hybrid, main budget
+# the main pretraining, longer fine-tunes: (label, MPP fine-tune, from scratch) per length
+FT_LONG = tuple(
+    (f"longer fine-tune ({S.PRETRAIN_EPOCHS} + {e} epochs)", *S.ft_long_arms(e))
+    for e in S.FT_LONG_EPOCHS
+)
+# the hybrid at the GPU budget, by seed, and the 20 + 30 split
+GPU_FT = [f"ft_mpp_hybrid_gpu_s{s}" for s in S.SEEDS]
+GPU_SCRATCH = [f"scratch_hybrid_gpu_s{s}" for s in S.SEEDS]
+GPU_SPLIT_ARM = f"ft_mpp_hybrid_gpu_e{S.GPU_SPLIT[0]}_s0"
+# the main pretraining fine-tuned on a share of the labels, and from scratch on it: by seed
+FEW = tuple(
+    (
+        f"{100 * f:g}% of the labels",
+        [S.few_label_arms(f, s)[0] for s in S.SEEDS],
+        [S.few_label_arms(f, s)[1] for s in S.SEEDS],
+    )
+    for f in S.FEW_LABELS
+)
+NOT_SWEPT = "1e-3 (the supervised preset's; not swept)"
+
+
+def arms(seeds: tuple[int, ...] = S.SEEDS) -> dict[str, list[str]]:
+    """The multi-seed arms by name: each a list of step names, one per seed."""
+    return {
+        "mpp": [f"ft_mpp_s{s}" for s in seeds],
+        "supervised": [f"ft_supervised_s{s}" for s in seeds],
+        "scratch": [f"scratch_s{s}" for s in seeds],
+        "mpp_long": [f"ft_mpp_long_s{s}" for s in seeds],
+        "scratch_long": [f"scratch_long_s{s}" for s in seeds],
+    }
+
+
+def scores(r: Results, steps: list[str]) -> list[float]:
+    return [v for v in (r.selected(s) for s in steps) if v is not None]
+
+
+def arm_rows(r: Results, label: str, steps: list[str], lr: str) -> list[str]:
+    """One row per pretraining the arm's seeds started from (none: one row); nothing for an
+    arm without results."""
+    rows = []
+    for st, group in by_start(r, steps):
+        vals = scores(r, group)
+        each = ", ".join(f"{100 * v:.2f}" for v in vals)
+        origin = st.text() if st else "-"
+        rows.append(
+            f"| {label} | {origin} | {mean_std_text(vals)} | {each} | {lr} | "
+            f"{conditions(r, group)} |"
+        )
+    return rows
+
+
+ARM_HEADER = [
+    "| method | started from | fine-tuned test top-1, mean ± std | per seed | lr (chosen on "
+    "held-out) | code; machine |",
+    "|---|---|---|---|---|---|",
+]
+
+
+def main_table(r: Results, a: dict[str, list[str]]) -> list[str]:
+    """The main comparison and the longer schedule's seeds, all on CPU in fp32."""
+    long_ft = f"{S.LONG_PRETRAIN_EPOCHS} + {S.LONG_FINETUNE_EPOCHS}"
+    rows = [
+        (
+            "MPP (50% corrupted, 3-bit mean colour), fine-tuned",
+            a["mpp"],
+            sweep_text(r, a["mpp"][0]),
+        ),
+        ("supervised pretraining, fine-tuned", a["supervised"], sweep_text(r, a["supervised"][0])),
+        ("from scratch (labels only, same total epochs)", a["scratch"], NOT_SWEPT),
+        (
+            "MLP-Mixer (D 128, 9 blocks), MPP, fine-tuned (1 seed)",
+            ["ft_mixer_s0"],
+            sweep_text(r, "ft_mixer_s0"),
+        ),
+        (
+            f"longer schedule (post hoc): MPP {long_ft} epochs, fine-tuned",
+            a["mpp_long"],
+            sweep_text(r, a["mpp_long"][0]),
+        ),
+        (
+            f"longer schedule (post hoc): from scratch, {S.LONG_SCRATCH_EPOCHS} epochs",
+            a["scratch_long"],
+            NOT_SWEPT,
+        ),
+    ]
+    lines = [
+        "",
+        "## MPP vs supervised pretraining vs from scratch (equal total compute, CPU, fp32)",
+        "",
+        *ARM_HEADER,
+    ]
+    for label, steps, lr in rows:
+        lines += arm_rows(r, label, steps, lr)
+    return lines + rebuilt_note(r, [s for _, steps, _ in rows for s in steps])
+
+
+def label_scarce(r: Results, a: dict[str, list[str]]) -> list[str]:
+    """Goal 2 in the paper's setting, pretraining on more images than fine-tuning has labels
+    for: each share against all the labels, MPP's seeds split by the pretraining they read."""
+    lines = [
+        "",
+        "## MPP vs from scratch with fewer labels (equal total compute; post hoc)",
+        "",
+        f"The main MPP pretraining ({S.PRETRAIN_EPOCHS} epochs of every training image, no "
+        "labels) fine-tuned on the labels of a hashed share of the training images "
+        "(`data.train_fraction`), against from scratch on the same images for the same compute "
+        "(they also get the pretraining's epochs, in epochs of the share). As in the paper, "
+        "pretraining sees more images than fine-tuning has labels for (JFT, then ImageNet; "
+        "sec. 4.6). Fine-tuning runs about as many steps as the main comparison's; the held-out "
+        "2% is the main comparison's, and each run on a share keeps the best of its 10 held-out "
+        "evaluations. MPP minus from scratch: the difference of the means in points, its 95% "
+        "confidence interval and the two-sided p of Welch's t-test (Welch-Satterthwaite degrees "
+        "of freedom). Where MPP's seeds read different pretrainings, each gets its own row "
+        "against the same from-scratch seeds.",
+        "",
+        "| labels | epochs: fine-tuning; from scratch | MPP started from | MPP, fine-tuned | "
+        "from scratch | MPP minus from scratch [95% CI], Welch p | MPP's lr (chosen on "
+        "held-out) | code; machine |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    budgets = [
+        (
+            "100% (the main comparison)",
+            f"{S.PRETRAIN_EPOCHS} + {S.FINETUNE_EPOCHS}; {S.SCRATCH_EPOCHS}",
+            a["mpp"],
+            a["scratch"],
+        )
+    ]
+    for f, (label, ft, base) in zip(S.FEW_LABELS, FEW, strict=True):
+        ft_epochs, scratch_epochs, _, _ = S.few_label_budget(f)
+        budgets.append((label, f"{S.PRETRAIN_EPOCHS} + {ft_epochs}; {scratch_epochs}", ft, base))
+    for label, epochs, ft, base in budgets:
+        b = scores(r, base)
+        for st, group in by_start(r, ft):
+            a_ = scores(r, group)
+            cells = [
+                st.text() if st else "-",
+                mean_std_text(a_),
+                mean_std_text(b),
+                welch_text(a_, b) if b else "-",
+                sweep_text(r, ft[0]),
+                conditions(r, [*group, *base]),
+            ]
+            lines.append(f"| {label} | {epochs} | {' | '.join(cells)} |")
+    return lines + rebuilt_note(r, [s for _, _, ft, _ in budgets for s in ft])
+
+
+def label_welch(r: Results, a: dict[str, list[str]]) -> list[tuple]:
+    """(share label, pretraining, MPP scores, from-scratch scores) per row of the label table."""
+    shares = [("100% of the labels", a["mpp"], a["scratch"]), *FEW]
+    return [
+        (label, st, scores(r, group), scores(r, base))
+        for label, ft, base in shares
+        for st, group in by_start(r, ft)
+    ]
+
+
+def rebuilt_note(r: Results, steps: list[str]) -> list[str]:
+    """A sentence naming the fine-tunes whose pretraining was rerun on a new machine (the same
+    recipe, but weights that are a second sample of it), where there are any."""
+    rebuilt = [s for s in steps if (r.get(s) or {}).get("rebuilt_needs")]
+    if not rebuilt:
+        return []
+    return [
+        "",
+        f"{', '.join(rebuilt)} fine-tuned a rerun of the pretraining (a new machine had lost "
+        "its export: the same recipe and seed, weights not bitwise the same on a CPU): their "
+        "rows are apart from those of the first run's weights.",
+    ]
+
+
+def reused_lr(r: Results, a: dict[str, list[str]]) -> str:
+    """The lr of the fine-tunes that reuse the 16-token MPP sweep's choice instead of sweeping."""
+    return f"{sweep_choice(r, a['mpp'][0])}, the 16-token sweep's (not swept)"
+
+
+def _origin(r: Results, step: str) -> str:
+    st = start(r, step)
+    return st.text() if st else "-"
+
+
+def _pair(r: Results, finetune: str, scratch: str) -> str:
+    """'MPP started from | MPP | from scratch | MPP minus from scratch' cells of one budget."""
+    a, b = r.selected(finetune), r.selected(scratch)
+    gap = "-" if a is None or b is None else f"{100 * (a - b):+.2f}"
+    st = start(r, finetune)
+    return f"{st.text() if st else '-'} | {pct(a)} | {pct(b)} | {gap}"
+
+
+def longer_schedule(r: Results, a: dict[str, list[str]]) -> list[str]:
+    """MPP pretrained and fine-tuned longer against from scratch for the same total epochs,
+    beside the shorter budget's seed 0 (one seed each: no error bar); all on CPU, fp32."""
+    long_total = S.LONG_PRETRAIN_EPOCHS + S.LONG_FINETUNE_EPOCHS
+    lines = [
+        "",
+        "## Longer schedules and the finer grid (single seed, CPU, fp32; post hoc)",
+        "",
+        f"MPP pretrained {S.LONG_PRETRAIN_EPOCHS} epochs (frozen features at "
+        f"{', '.join(map(str, S.LONG_SNAPSHOTS))} epochs, in the table below), fine-tuned "
+        f"{S.LONG_FINETUNE_EPOCHS} epochs with lr from the paper's grid on held-out; from "
+        f"scratch for the sum, {long_total} epochs. Seed 0 only: one seed has no confidence "
+        "interval. The finer grid (4x4 patches) is the same presets with `model.patch_size=4`; "
+        "the shifted runs add `data.translate=2` (a random shift of up to 2 px per axis, "
+        "zero-filled) to the flips in pretraining, fine-tuning and from scratch alike.",
+        "",
+        "| budget (pretraining + fine-tuning epochs) | MPP started from | MPP, fine-tuned | from "
+        "scratch, same total | MPP minus from scratch | MPP's lr (chosen on held-out) | code; "
+        "machine |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    short = f"{S.PRETRAIN_EPOCHS} + {S.FINETUNE_EPOCHS} (seed 0)"
+    long = f"{S.LONG_PRETRAIN_EPOCHS} + {S.LONG_FINETUNE_EPOCHS} (seed 0)"
+    reused = reused_lr(r, a)
+    shift = " ".join(f"`{o}`" for o in S.SHIFT)
+    rows = [
+        (short, a["mpp"][0], a["scratch"][0], sweep_text(r, a["mpp"][0])),
+        (long, *LONG_ARMS, sweep_text(r, LONG_ARMS[0])),
+        (
+            f"{S.P4_PRETRAIN_EPOCHS} + {S.P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 tokens, "
+            "~3x the compute per image)",
+            *P4_ARMS,
+            reused,
+        ),
+        (
+            f"{long}, random shifts of up to 2 px in every run ({shift})",
+            *SHIFT_ARMS,
+            f"{sweep_choice(r, LONG_ARMS[0])}, the flips-only {long} sweep's (not swept)",
+        ),
+        (
+            f"{short}, the paper's hybrid (ResNet stem at 32 px, 2x2 patches of its 8x8 map: 16 "
+            "tokens, ~1.3x the compute per image)",
+            *HYBRID_ARMS,
+            reused,
+        ),
+        *(
+            (
+                f"{S.PRETRAIN_EPOCHS} + {e} (seed 0), the main pretraining with a longer fine-tune",
+                *S.ft_long_arms(e),
+                reused,
+            )
+            for e in S.FT_LONG_EPOCHS
+        ),
+    ]
+    for label, ft, base, lr in rows:
+        if r.get(ft) is None and r.get(base) is None:
+            continue
+        lines.append(f"| {label} | {_pair(r, ft, base)} | {lr} | {conditions(r, [ft, base])} |")
+    hires = r.output(HIRES_ARM)
+    if hires is not None:
+        st = start(r, HIRES_ARM)
+        lines.append(
+            f"| {long}, fine-tuned at {S.HIRES} px (6x6 tokens, ~2.4x the fine-tuning compute; "
+            f"the paper's B.1.1) | {st.text() if st else '-'} | {pct(r.selected(HIRES_ARM))} | "
+            f"- | - | the 28 px sweep's (held-out top-1 {pct(hires['selection_best_top1'])}) | "
+            f"{conditions(r, [HIRES_ARM])} |"
+        )
+    return lines
+
+
+def gpu_tables(r: Results, a: dict[str, list[str]]) -> list[str]:
+    """The runs on one GPU in bf16: apart from the CPU's fp32 rows (another device, precision
+    and code version), the frozen evaluations of their exports with them."""
+    reused = reused_lr(r, a)
+    rows = [
+        (
+            f"MPP {S.GPU_PRETRAIN_EPOCHS} + {S.GPU_FINETUNE_EPOCHS} epochs, fine-tuned",
+            GPU_FT,
+            reused,
+        ),
+        (f"from scratch, {S.GPU_SCRATCH_EPOCHS} epochs", GPU_SCRATCH, NOT_SWEPT),
+        (
+            f"MPP: the epoch-{S.GPU_SPLIT[0]} snapshot fine-tuned {S.GPU_SPLIT[1]} epochs (the "
+            "same 50 epochs split)",
+            [GPU_SPLIT_ARM],
+            reused,
+        ),
+    ]
+    body = [row for label, steps, lr in rows for row in arm_rows(r, label, steps, lr)]
+    frozen = [
+        (
+            f"MPP after {e} epochs, read-out chosen on held-out: "
+            f"{readout_label(r, f'mpp_hybrid_gpu_readout_e{e}')}",
+            f"mpp_hybrid_gpu_readout_e{e}",
+        )
+        for e in S.GPU_SNAPSHOTS
+    ]
+    frozen_rows = frozen_lines(r, frozen)
+    if not body and not frozen_rows:
+        return []
+    lines = [
+        "",
+        "## The paper's hybrid on one GPU (bf16; post hoc, single seed)",
+        "",
+        "Trained on one GPU with `train.precision=auto` (bf16), at another code version than "
+        "the CPU runs: compare these rows with each other, not with the CPU tables. The "
+        "pretraining ran " + f"{S.GPU_PRETRAIN_EPOCHS} epochs; the frozen evaluations of its "
+        "snapshots ran on a CPU.",
+        "",
+        *ARM_HEADER,
+        *body,
+    ]
+    if frozen_rows:
+        lines += ["", *FROZEN_HEADER, *frozen_rows]
+    return lines
+
+
+FROZEN_HEADER = [
+    "| features | started from | kNN (k=20) | linear probe | few-shot 1/5/10/25 (ridge, l2 by "
+    "LOO) | code; machine |",
+    "|---|---|---|---|---|---|",
+]
+
+
+def frozen_lines(r: Results, rows: list[tuple[str, str]]) -> list[str]:
+    """A row per set of frozen features (label, evals name); a set whose weights (sha256) an
+    earlier row already showed is not repeated: that row names both."""
+    kinds = ("knn", "probe", "fewshot")
+    shown: dict[tuple, int] = {}  # (sha256, numbers) -> index in `out`
+    out: list[list[str]] = []
+    for label, ev in rows:
+        steps = [f"{ev}/{k}" for k in kinds if r.get(f"{ev}/{k}") is not None]
+        if not steps:
+            continue
+        st = one_start(label, [start(r, s) for s in steps])
+        cells = [
+            label,
+            st.text() if st else "-",
+            pct(r.metric(ev, "knn", KNN)),
+            pct(r.metric(ev, "probe", PROBE)),
+            fewshot(r, ev),
+            conditions(r, steps),
+        ]
+        key = (st.sha256, *cells[2:5]) if st is not None and st.sha256 else None
+        if key in shown:  # the same weights measured the same way: one row, both names
+            out[shown[key]][0] += f"; the same weights: {label}"
+            continue
+        if key is not None:
+            shown[key] = len(out)
+        out.append(cells)
+    return ["| " + " | ".join(c) + " |" for c in out]
+
+
+def frozen_table(r: Results, pretrainings: list, random_rows: list, readouts: tuple) -> list[str]:
+    rows = list(random_rows)
+    for run_label, run, eps in pretrainings:
+        rows += [(f"MPP after {e} epoch{'s' * (e > 1)} ({run_label})", f"{run}_e{e}") for e in eps]
+    rows.append(
+        (f"supervised after {S.PRETRAIN_EPOCHS} epochs", f"supervised_e{S.PRETRAIN_EPOCHS}")
+    )
+    for label, ev, rand in readouts:
+        rows += [
+            (
+                f"MPP after 6 epochs ({label}), read-out chosen on held-out: "
+                f"{readout_label(r, ev)}",
+                ev,
+            ),
+            (f"its random init, read-out chosen the same way: {readout_label(r, rand)}", rand),
+        ]
+    return ["", "## Frozen features (CPU, fp32)", "", *FROZEN_HEADER, *frozen_lines(r, rows)]
+
+
+def ablations(r: Results) -> list[str]:
+    rows = [
+        ("MPP 15% corrupted (BERT's rate)", "mpp15_e6"),
+        ("target: 4x4 downsized patch, 3-bit", "mpp_downsized_e6"),
+        ("target: L2 on pixels", "mpp_pixels_e6"),
+        (
+            "MPP 50%, read at the [class] token (the mpp recipe retrained: its first run "
+            "directory was lost)",
+            "mpp_cls",
+        ),
+        ("MLP-Mixer (D 128, 9 blocks), MPP 50%", "mixer_e6"),
+    ]
+    return [
+        "",
+        "## Ablations (single seed; paper sec. 4.6 / appendix B.1.2)",
+        "",
+        *FROZEN_HEADER,
+        *frozen_lines(r, rows),
+    ]
+
+
+def dynamic(r: Results, root: Path, results: Path) -> list[str]:
+    """Dynamic ViT: the operating point chosen on held-out, on test, against the finest stage."""
+    lines = [
+        "",
+        "## Dynamic ViT (issue 15): 2x2, 4x4, 7x7 tokens, fine-tuned from MPP",
+        "",
+        "The operating point is the least compute whose held-out accuracy reaches the finest "
+        "stage's (thresholds chosen on held-out, never on test). Goals: the finest stage's "
+        "accuracy at <= 0.5x its GFLOPs, >= 1.5x its measured images/s (batched early exit).",
+        "",
+        "| cascade | started from | finest stage top-1 | cascade top-1 | GFLOPs / "
+        "finest | images/s / finest |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, name in (
+        ("feature + relationship reuse", "cascade"),
+        ("no feature reuse", "cascade_no_feature_reuse"),
+        ("no relationship reuse", "cascade_no_relation_reuse"),
+    ):
+        out = r.output(f"{name}/dynamic")
+        if out is None:
+            continue
+        m = out["metrics"]
+        if "matched_top1" not in m:
+            lines.append(
+                f"| {label} | {_origin(r, name)} | {pct(m['finest_top1'])} | no "
+                "threshold reached the finest stage's held-out accuracy | - | - |"
+            )
+            continue
+        ratios = f"{m['matched_gflops_ratio']:.2f}x | {m['matched_speedup']:.2f}x"
+        tops = f"{pct(m['finest_top1'])} | {pct(m['matched_top1'])}"
+        lines.append(f"| {label} | {_origin(r, name)} | {tops} | {ratios} |")
+    fig = root / results / "cascade" / "dynamic.accuracy_vs_gflops.png"
+    return lines + figure_lines(
+        fig if fig.is_file() else None, "Dynamic ViT: accuracy against mean GFLOPs per image", root
+    )
+
+
+def recipes(r: Results) -> list[str]:
+    """Issue 13 item 3: which small-image recipe wins on held-out data."""
+    RECIPE_EPOCHS, RECIPES = S.RECIPE_EPOCHS, S.RECIPES
+    lines = [
+        "",
+        f"## Small-image recipe (from scratch with labels, {RECIPE_EPOCHS} epochs, single seed)",
+        "",
+        "Compared on held-out top-1 (the best of the run's "
+        "evaluations); test is only reported. images/s: median of the run's logging "
+        "windows, on the machine above.",
+        "",
+        "| recipe | overrides of the supervised preset | held-out top-1 | test top-1 | images/s |",
+        "|---|---|---|---|---|",
+    ]
+    scored = []
+    for name, overrides in RECIPES.items():
+        out = r.output(name)
+        what = " ".join(f"`{o}`" for o in overrides) or "(the preset)"
+        if out is None:
+            continue
+        rates = [
+            row["train/images_per_s"] for row in r.metric_lines(name) if "train/images_per_s" in row
+        ]
+        ips = f"{statistics.median(rates):.0f}" if rates else "-"
+        held = out["selection_best_top1"]
+        scored.append((held, name))
+        lines.append(f"| {name} | {what} | {pct(held)} | {pct(out['selected_top1'])} | {ips} |")
+    if scored:
+        lines += ["", f"Best on held-out so far: {max(scored)[1]}."]
+    FINETUNE_RECIPES = S.FINETUNE_RECIPES
+    lines += [
+        "",
+        "MPP fine-tuning recipes (seed 0, same budget):",
+        "",
+        "| recipe | overrides of the fine-tuning preset | started from | held-out top-1 | "
+        "test top-1 |",
+        "|---|---|---|---|---|",
+    ]
+    sweep = r.output("ft_mpp_s0")
+    if sweep is not None:
+        lr, held = sweep["chosen"]["optim.lr"], pct(sweep.get("selection_best_top1"))
+        origin = _origin(r, "ft_mpp_s0")
+        lines.append(
+            f"| SGD, the sweep's lr | `optim.lr={lr}` | {origin} | {held} | "
+            f"{pct(sweep['selected_top1'])} |"
+        )
+    for name, overrides in FINETUNE_RECIPES.items():
+        out = r.output(name)
+        args = " ".join(overrides).replace("--sweep ", "--sweep=").split(" ")  # one span each
+        what = " ".join(f"`{a}`" for a in args)
+        if not any(o.startswith("optim.lr=") for o in overrides) and sweep is not None:
+            what += f" at the sweep's `optim.lr={sweep['chosen']['optim.lr']}`"
+        if out is None:
+            continue
+        held = pct(out["selection_best_top1"])
+        test = pct(out["selected_top1"])
+        if "sweep" in out:  # a sweep of its own: its choice, each value's
+            what += f"; chose {sweep_text(r, name)}"
+        lines.append(f"| {name} | {what} | {_origin(r, name)} | {held} | {test} |")
+    return lines
+
+
+def inspect_figures(root: Path, results: Path) -> list[str]:
+    INSPECT_FIGURES = S.INSPECT_FIGURES
+    lines = []
+    for name in INSPECT_FIGURES:
+        fig = root / results / f"inspect_mpp.{name}"
+        lines += figure_lines(fig if fig.is_file() else None, name.removesuffix(".png"), root)
+    return ["", "## Inspecting the MPP backbone (paper sec. 4.5)", *lines] if lines else []
+
+
+def steps_table(r: Results, plan: list) -> list[str]:
+    lines = [
+        "",
+        "## Every step",
+        "",
+        "| step | command | MLflow run | wall time, notes |",
+        "|---|---|---|---|",
+    ]
+    for step in plan:
+        res = r.get(step.name)
+        if res is None:
+            lines.append(f"| {step.name} | not run yet | - | - |")
+            continue
+        secs = res.get("seconds")
+        wall = "-" if secs is None else f"{secs / 60:.1f} min"
+        if res.get("resumed"):
+            wall += " (its last leg: resumed from a checkpoint)"
+        if rebuilt := res.get("rebuilt_needs"):
+            wall += (
+                f" (read a rebuild of {', '.join(sorted(rebuilt))}'s export: same recipe, new run)"
+            )
+        lines.append(
+            f"| {step.name} | `{res['command']}` | {res.get('mlflow_run_id') or '-'} | {wall} |"
+        )
+    return lines

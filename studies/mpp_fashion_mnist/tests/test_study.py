@@ -1,0 +1,407 @@
+"""The study runner and its report: a step with a committed result is never rerun, a missing
+export is rebuilt first, results carry what a reader needs (the weights a step started from
+included), steps nest under their method's MLflow parent through the product's own arguments,
+and the report's statistics follow from the result files (real subprocesses and a real MLflow
+SQLite store)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from studies.mpp_fashion_mnist import records, report, run, stats, steps, tables
+from studies.mpp_fashion_mnist.records import Results
+
+ROOT = Path(__file__).resolve().parents[3]
+RES = steps.RESULTS  # where a step's result lands, relative to the root it runs from
+
+WRITE = "import json, sys, pathlib; p = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True); p.write_text(json.dumps({'metrics': {'v': 1}})); open(sys.argv[2], 'a').write('x')"  # noqa: E501
+
+
+def _step(name: str, tmp: Path, needs: tuple[str, ...] = ()) -> steps.Step:
+    out = Path("runs/study") / name / "out.json"
+    argv = ["-c", WRITE, str(tmp / out), str(tmp / "calls" / name.replace("/", "-"))]
+    return steps.Step(name, argv, out, needs)
+
+
+def _calls(tmp: Path, name: str) -> int:
+    path = tmp / "calls" / name
+    return len(path.read_text()) if path.is_file() else 0
+
+
+def test_runner_skips_results_and_rebuilds_missing_exports(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (tmp_path / "calls").mkdir()
+    steps = [
+        _step("pre", tmp_path),
+        _step("pre_e1/knn", tmp_path, ("pre",)),
+        _step("pre_e2/knn", tmp_path, ("pre",)),
+    ]
+    assert run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre") == 1 and _calls(tmp_path, "pre_e1-knn") == 1
+    pre_result = (tmp_path / f"{RES}/pre.json").read_text()
+    res = json.loads((tmp_path / f"{RES}/pre_e1/knn.json").read_text())
+    assert res["result"] == {"metrics": {"v": 1}} and res["seconds"] > 0
+    assert res["command"].startswith("python -c") and res["machine"]
+    # Everything has a result: a rerun runs nothing.
+    assert run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre") == 1 and _calls(tmp_path, "pre_e1-knn") == 1
+    # A new machine: results committed, runs/ gone, one result missing. Only that step runs,
+    # after the step whose export it reads.
+    for p in (tmp_path / "runs").rglob("*.json"):
+        p.unlink()
+    (tmp_path / f"{RES}/pre_e1/knn.json").unlink()
+    assert run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre") == 2 and _calls(tmp_path, "pre_e1-knn") == 2
+    # The rebuilt export is a cache: the pretraining's result, and so the result of the other
+    # step that reads it, stand.
+    assert (tmp_path / f"{RES}/pre.json").read_text() == pre_result
+    assert [run.state(s, tmp_path) for s in steps] == ["done"] * 3
+    assert _calls(tmp_path, "pre_e2-knn") == 1
+    # ...but the step that read the rebuilt weights (not bitwise the first run's) says so.
+    res = json.loads((tmp_path / f"{RES}/pre_e1/knn.json").read_text())
+    assert list(res["rebuilt_needs"]) == ["pre"] and res["rebuilt_needs"]["pre"]["finished"]
+    assert "rebuilt_needs" not in json.loads((tmp_path / f"{RES}/pre_e2/knn.json").read_text())
+    # Output there but no result (stopped between the two): recorded without rerunning.
+    (tmp_path / f"{RES}/pre_e1/knn.json").unlink()
+    assert run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre_e1-knn") == 2
+    assert (tmp_path / f"{RES}/pre_e1/knn.json").is_file()
+    # A changed recipe (here: the pretraining's command) makes its result stale, and so the
+    # results of the steps that read its export: both rerun, the old output is kept aside.
+    steps[0].argv.append("changed")
+    assert [run.state(s, tmp_path) for s in steps] == ["stale", "done", "done"]
+    assert run.run(steps, tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "pre") == 3 and _calls(tmp_path, "pre_e1-knn") == 3
+    assert [run.state(s, tmp_path) for s in steps] == ["done"] * 3
+    assert len(list((tmp_path / "runs/study/pre").glob("out.json.stale-*"))) == 1
+    # A fresh pretraining result: its export is no longer a rebuild.
+    assert "rebuilt_needs" not in json.loads((tmp_path / f"{RES}/pre_e1/knn.json").read_text())
+
+
+def test_a_stale_sweep_keeps_its_run_directory(tmp_path, monkeypatch):
+    """The sweep judges its own values (a grown grid trains only the new ones): the study
+    moves aside only the sweep's results file, never the finished values' runs."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (tmp_path / "calls").mkdir()
+    sweep = _step("sw", tmp_path)
+    sweep.argv += ["--sweep", "optim.lr=0.01,0.03"]
+    sweep.run_dir = Path("runs/study/sw")
+    assert run.run([sweep], tmp_path, Path("runs/study")) == 0
+    (tmp_path / "runs/study/sw/optim.lr=0.01").mkdir()
+    sweep.argv[-1] = "optim.lr=0.01,0.03,0.06"
+    assert run.state(sweep, tmp_path) == "stale"
+    assert run.run([sweep], tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "sw") == 2 and run.state(sweep, tmp_path) == "done"
+    assert (tmp_path / "runs/study/sw/optim.lr=0.01").is_dir()
+    assert len(list((tmp_path / "runs/study/sw").glob("out.json.stale-*"))) == 1
+
+
+def test_a_failed_step_leaves_no_result_and_stops_the_study(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    bad = steps.Step("bad", ["-c", "raise SystemExit(3)"], Path("runs/study/bad/out.json"))
+    later = _step("later", tmp_path)
+    (tmp_path / "calls").mkdir()
+    assert run.run([bad, later], tmp_path, Path("runs/study")) == 3
+    assert not (tmp_path / f"{RES}/bad.json").exists() and _calls(tmp_path, "later") == 0
+
+
+def test_a_resumed_step_says_its_time_is_the_last_leg(tmp_path, monkeypatch):
+    """A training that resumed from its checkpoints (a stopped run) records
+    only its last leg's wall time: the result and the report's step table say so. The commit
+    a copied tree names in $STUDY_GIT_COMMIT wins over what its .git says."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("STUDY_GIT_COMMIT", "c0ffee" * 6 + "c0ff")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)  # a .git whose HEAD is another commit
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "stale"], check=True)
+    (tmp_path / "calls").mkdir()
+    fresh, resumed = _step("fresh", tmp_path), _step("again", tmp_path)
+    for step in (fresh, resumed):
+        step.run_dir = Path("runs/study") / step.name
+    (tmp_path / "runs/study/fresh/checkpoints").mkdir(parents=True)  # empty: nothing to resume
+    (tmp_path / "runs/study/again/checkpoints/step00000050").mkdir(parents=True)
+    assert run.run([fresh, resumed], tmp_path, Path("runs/study")) == 0
+    got = {n: json.loads((tmp_path / f"{RES}/{n}.json").read_text()) for n in ("fresh", "again")}
+    assert [got[n]["resumed"] for n in ("fresh", "again")] == [False, True]
+    assert {g["git_commit"] for g in got.values()} == {"c0ffee" * 6 + "c0ff"}
+    table = "\n".join(tables.steps_table(Results(tmp_path / RES), [fresh, resumed]))
+    assert table.count("its last leg") == 1 and "| again |" in table.split("its last leg")[0]
+
+
+TRAIN = """import argparse, json, pathlib
+p = argparse.ArgumentParser(); p.add_argument("--out"); p.add_argument("--calls")
+a, _ = p.parse_known_args()
+pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+pathlib.Path(a.out).write_text(json.dumps({"metrics": {"v": 1}})); open(a.calls, "a").write("x")
+"""
+
+
+def test_a_training_counts_by_its_resolved_config(tmp_path, monkeypatch):
+    """Comments, a preset taking the value the command already sets, or a setting of how it
+    executes (train.compile) leave a training's result valid; a value that reaches training
+    makes it stale. Older results (config files by sha256) are upgraded in place while their
+    files are unchanged."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (tmp_path / "calls").mkdir()
+    (tmp_path / "train.py").write_text(TRAIN)
+    preset = tmp_path / "preset.yaml"
+    text = (ROOT / "configs/fmnist_vit_tiny_supervised.yaml").read_text()
+    text = re.sub(r"crop_scale: \[.*\]", "crop_scale: [0.35, 1.0]", text)  # the old crop
+    preset.write_text(text)
+    out = Path("runs/study/t/out.json")
+    argv = [
+        "train.py",
+        "--out",
+        str(tmp_path / out),
+        "--calls",
+        str(tmp_path / "calls/t"),
+        "--config",
+        "preset.yaml",
+        "data.crop_scale=[1.0,1.0]",
+        "train.epochs=2",
+    ]
+    step = steps.Step("t", argv, out)
+    assert run.run([step], tmp_path, Path("runs/study")) == 0
+    res = tmp_path / f"{RES}/t.json"
+    written = json.loads(res.read_text())
+    assert written["recipe"]["config"]["data"]["crop_scale"] == [1.0, 1.0]
+    # An older result (the command and the config file's sha256) is upgraded, not rerun.
+    written["recipe"] = run._recipe_by_files(step, tmp_path)
+    res.write_text(json.dumps(written))
+    assert run.state(step, tmp_path) == "done"
+    assert run.run([step], tmp_path, Path("runs/study")) == 0
+    assert "config" in json.loads(res.read_text())["recipe"] and _calls(tmp_path, "t") == 1
+    # The preset takes the crop the command sets, and a comment: still done.
+    preset.write_text(
+        "# flips only: chosen on held-out\n"
+        + text.replace("crop_scale: [0.35, 1.0]", "crop_scale: [1.0, 1.0]")
+    )
+    assert "crop_scale: [1.0, 1.0]" in preset.read_text()
+    assert run.state(step, tmp_path) == "done"
+    # How it executes, not what it trains (torch.compile): still done.
+    preset.write_text(preset.read_text().replace("compile: auto", "compile: false"))
+    assert "compile: false" in preset.read_text()
+    assert run.state(step, tmp_path) == "done"
+    # A result written before a config key existed (data.translate) trained at its default.
+    written = json.loads(res.read_text())
+    del written["recipe"]["config"]["data"]["translate"]
+    res.write_text(json.dumps(written))
+    assert run.state(step, tmp_path) == "done"
+    step.argv = [*argv, "data.translate=2"]  # the new key at another value: stale
+    assert run.state(step, tmp_path) == "stale"
+    step.argv = argv
+    # A value that reaches training: stale, and it reruns.
+    preset.write_text(preset.read_text().replace("global_batch: 256", "global_batch: 128"))
+    assert run.state(step, tmp_path) == "stale"
+    assert run.run([step], tmp_path, Path("runs/study")) == 0
+    assert _calls(tmp_path, "t") == 2
+
+
+def test_plan_seeds_reuse_the_lr_seed_0_chose(tmp_path, monkeypatch):
+    names = [s.name for s in steps.plan()]
+    assert len(names) == len(set(names))
+    for arm in ("ft_mpp", "ft_supervised", "scratch"):
+        assert all(f"{arm}_s{s}" in names for s in steps.SEEDS)
+    sweep = next(s for s in steps.plan() if s.name == "ft_mpp_s0")
+    assert "--sweep" in sweep.args() and "run.seed=0" in sweep.args()
+    monkeypatch.setattr(steps, "ROOT", tmp_path)
+    res = tmp_path / RES
+    res.mkdir(parents=True)
+
+    def write(name: str, result: dict) -> None:
+        (res / f"{name}.json").parent.mkdir(parents=True, exist_ok=True)
+        (res / f"{name}.json").write_text(json.dumps({"result": result}))
+
+    write("ft_mpp_s0", {"chosen": {"optim.lr": 0.03}})
+    seed1 = next(s for s in steps.plan() if s.name == "ft_mpp_s1")
+    assert "optim.lr=0.03" in seed1.args() and "--sweep" not in seed1.args()
+    # The crop every training step uses is the augmentation recipe that won on held-out.
+    assert steps.chosen_augmentation() == []  # the presets' own until all three have results
+    for name, held in zip(steps.AUGMENTATIONS, (0.70, 0.80, 0.75), strict=True):
+        write(name, {"selection_best_top1": held})
+    won = steps.RECIPES["recipe_p7_flip"]
+    pre = next(s for s in steps.plan() if s.name == "mpp")
+    assert steps.chosen_augmentation() == won and pre.args()[-len(won) :] == won
+    # The label-scarce seeds reuse the lr their share's seed 0 chose, on the same share.
+    write("ft_mpp_labels1_s0", {"chosen": {"optim.lr": 0.01}})
+    few = {s.name: s for s in steps.plan() if "labels1_" in s.name}
+    assert "--sweep" in few["ft_mpp_labels1_s0"].args()
+    assert {"optim.lr=0.01", "data.train_fraction=0.01"} <= set(few["ft_mpp_labels1_s2"].args())
+    assert "data.train_fraction=0.01" in few["scratch_labels1_s1"].args()
+    assert run.method_of("ft_mpp_s1") == run.method_of("mpp_e2/knn") == "mpp"
+    assert run.method_of("scratch_s2") == "scratch"
+
+
+def test_next_runs_make_the_sweep_directories_and_reuse_its_choice(tmp_path, monkeypatch):
+    """From scratch's lr per share: one run directory per lr, seed 0; seeds 1-2 take the lr
+    that scored best on held-out. MPP pretraining seeds 1-2 fine-tune at the main sweep's lr."""
+    plan = {s.name: s for s in steps.plan()}
+    budgets = {
+        "1": ("825", "165", "0.01"),
+        "10": ("80", "176", "0.1"),
+        "30": ("27", "183", "0.3"),
+        "100": ("8", "0", "1.0"),
+    }
+    for share, (epochs, every, fraction) in budgets.items():
+        for lr in steps.SCRATCH_LRS:
+            step = plan[f"scratch_sweep/labels{share}/lr={lr}"]
+            args = step.args()
+            assert str(step.run_dir) == f"runs/study/scratch_sweep/labels{share}/lr={lr}"
+            assert args[0] == "pipelines/supervised_pretrain.py"
+            assert {
+                f"train.epochs={epochs}",
+                f"run.eval_every={every}",
+                "run.seed=0",
+                f"data.train_fraction={fraction}",
+                f"optim.lr={lr}",
+                f"run.dir={step.run_dir}",
+            } <= set(args)
+    monkeypatch.setattr(steps, "ROOT", tmp_path)
+    for lr, held in zip(steps.SCRATCH_LRS, (0.80, 0.84, 0.84), strict=True):
+        path = tmp_path / RES / f"scratch_sweep/labels10/lr={lr}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"result": {"selection_best_top1": held}}))
+    seed2 = plan["scratch_sweep/labels10/chosen_s2"].args()
+    assert "optim.lr=1e-3" in seed2 and "run.seed=2" in seed2  # a tie: the first lr
+    (tmp_path / RES / "ft_mpp_s0.json").write_text(
+        json.dumps({"result": {"chosen": {"optim.lr": 0.03}}})
+    )
+    assert {"run.seed=1"} <= set(plan["mpp_seed1"].args())
+    ft = plan["ft_mpp_seed1_s1"].args()
+    assert {"model.init_from=runs/study/mpp_seed1", "optim.lr=0.03", "run.seed=1"} <= set(ft)
+
+
+def test_steps_nest_under_their_parent_through_the_products_arguments():
+    """A training script gets the config override, an evaluator of the common CLI the flag;
+    others run unchanged, and without a parent nothing is added."""
+    plan = {s.name: s for s in steps.plan()}
+    train = plan["recipe_p7"].args()
+    nested = run.nested(train, "abc")
+    at = nested.index("--config") + 2
+    assert nested[at] == "tracking.parent_run_id=abc" and nested[:at] + nested[at + 1 :] == train
+    knn = plan["mpp_e6/knn"].args()
+    assert run.nested(knn, "abc") == [*knn, "--parent-run-id", "abc"]
+    dynamic = plan["cascade/dynamic"].args()
+    assert run.nested(dynamic, "abc") == dynamic and run.nested(knn, None) == knn
+
+
+def test_parent_runs_group_steps_by_method(tmp_path, monkeypatch):
+    """One parent per method in a real SQLite store, reused on rerun; a step's headline numbers
+    land on its method's parent."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    parents = run.open_parents(Path("runs/study"), tmp_path)
+    ids = {parents.run_id(run.method_of(n)) for n in ("mpp50", "mpp50/knn", "ft_mpp50")}
+    assert len(ids) == 1 and None not in ids
+    pid = ids.pop()
+    assert parents.run_id(run.method_of("ft_scratch")) != pid
+    again = run.open_parents(Path("runs/study"), tmp_path)  # the ids file, reused
+    assert again.run_id("mpp50") == pid
+    out = tmp_path / "knn.json"
+    out.write_text(json.dumps({"metrics": {"knn_top1@k=20": 0.75, "knn_top1@k=10": 0.7}}))
+    run.log_step(again, "mpp50/knn", out)
+    assert MlflowClient(uri).get_run(pid).data.metrics == {"knn_top1_k20": 0.75}
+
+
+def test_welch_matches_a_textbook_example():
+    """Welch's t-test, Wikipedia's "Welch's t-test" example 1: t = -2.46, df = 24.99,
+    p = 0.021 (and scipy's ttest_ind(equal_var=False) to many digits)."""
+    a1 = [27.5, 21.0, 19.0, 23.6, 17.0, 17.9, 16.9, 20.1, 21.9, 22.6, 23.1, 19.6, 19.0, 21.7, 21.4]
+    a2 = [27.1, 22.0, 20.8, 23.4, 23.4, 23.5, 25.8, 22.0, 24.8, 20.2, 21.9, 22.1, 22.9, 20.5, 24.4]
+    w = stats.welch(a1, a2)
+    assert round(w.t, 2) == -2.46 and round(w.df, 2) == 24.99 and round(w.p, 3) == 0.021
+    assert w.p == pytest.approx(0.021378001462866992, rel=1e-9)
+    assert (w.low, w.high) == pytest.approx((-3.984096267140929, -0.3492370661924069), rel=1e-9)
+    assert stats.t_quantile(0.975, 4) == pytest.approx(2.7764451051977934, rel=1e-9)
+    with pytest.raises(ValueError, match="2\\+ values per sample"):
+        stats.welch([1.0], [1.0, 2.0])
+
+
+def _write(root: Path, name: str, result: dict, **extra) -> None:
+    path = root / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    res = {
+        "result": result,
+        "machine": "m; 2 cores; 8 GiB RAM; no GPU",
+        "git_commit": "c" * 40,
+        "command": "python evals/finetune.py model.init_from=runs/study/mpp",
+        **extra,
+    }
+    path.write_text(json.dumps(res))
+
+
+def test_report_splits_pretrainings_and_tests_the_gap(tmp_path):
+    """Seeds that read different pretrainings never share a row; the gap is Welch's; frozen
+    features of one set of weights show once; the report rebuilds byte for byte."""
+    res = tmp_path / RES
+    sweep = {
+        "sweep": {"key": "optim.lr", "values": [0.01]},
+        "chosen": {"optim.lr": 0.01},
+        "selection_best_top1": 0.91,
+        "runs": [{"value": 0.01, "selection_best_top1": 0.91}],
+    }
+    for seed, (ft, base) in enumerate(((0.85, 0.82), (0.86, 0.83), (0.84, 0.81))):
+        rebuilt = {"rebuilt_needs": {"mpp": {"mlflow_run_id": "r" * 32}}} if seed else {}
+        _write(res, f"ft_mpp_labels10_s{seed}", {**sweep, "selected_top1": ft}, **rebuilt)
+        _write(
+            res,
+            f"scratch_labels10_s{seed}",
+            {"selected_top1": base},
+            command="python pipelines/supervised_pretrain.py",
+        )
+    for s, v in enumerate((0.90, 0.92, 0.94)):
+        _write(res, f"ft_mpp_s{s}", {**sweep, "selected_top1": v})
+        _write(res, f"scratch_s{s}", {"selected_top1": v - 0.05}, command="python x.py")
+    for ev in ("mpp_e2", "mpp_long_e2"):  # one set of weights under two names
+        for kind in ("knn", "probe"):
+            params = {"backbone_id": "sha256:" + "ab" * 32}
+            _write(
+                res,
+                f"{ev}/{kind}",
+                {
+                    "metrics": {records.KNN: 0.7, records.PROBE: 0.8},
+                    "params": params,
+                    "pretrain_run_id": "p" * 32,
+                },
+                command=f"python evals/knn.py --backbone runs/study/{ev[:-3]}/export_epoch2",
+            )
+    out = report.write_report([], tmp_path)
+    text = out.read_text()
+    w = stats.welch([0.90, 0.92, 0.94], [0.85, 0.87, 0.89])
+    assert f"+5.00 [{100 * w.low:+.2f}, {100 * w.high:+.2f}], p={w.p:.2g}" in text
+    assert "| 10% of the labels | 6 + 20; 80 | mpp (weights not recorded) | 85.00 (n=1) |" in text
+    assert "| mpp (rebuilt) (run rrrrrrrr; weights not recorded) | 85.00 ± 1.41 (n=2) |" in text
+    assert "+3.00 (one seed: no CI)" in text
+    assert len(re.findall(r"sha256 abababababab", text)) == 1
+    assert "(6-epoch run); the same weights: MPP after 2 epochs (16-epoch run)" in text
+    assert "95% CI of MPP minus from scratch lies above 0" in text and "| pending |" not in text
+    first = out.read_bytes()
+    assert report.write_report([], tmp_path).read_bytes() == first
+    # one label cannot hold two sets of weights
+    a, b = records.Start("mpp", "x", "sha256:1"), records.Start("mpp", "y", "sha256:2")
+    with pytest.raises(ValueError, match="different pretrainings"):
+        records.one_start("MPP after 6 epochs", [a, b])
+
+
+def test_a_result_records_the_weights_it_started_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    export = tmp_path / "runs/study/pre/export"
+    export.mkdir(parents=True)
+    (export / "backbone.safetensors").write_bytes(b"weights")
+    (export.parent / "mlflow_run_id").write_text("prerun\n")
+    (tmp_path / "calls").mkdir()
+    step = _step("ev/knn", tmp_path)
+    step.argv += ["--backbone", "runs/study/pre"]
+    assert run.run([step], tmp_path, Path("runs/study")) == 0
+    got = json.loads((tmp_path / RES / "ev/knn.json").read_text())["started_from"]
+    import hashlib
+
+    sha = "sha256:" + hashlib.sha256(b"weights").hexdigest()
+    assert got == {"path": "runs/study/pre", "sha256": sha, "mlflow_run_id": "prerun"}
