@@ -142,7 +142,7 @@ def full_run_mode(config: str, shards: str, overrides: list[str]) -> str:
     (train.compile resolved as the trainer does for a run of the preset's length)."""
     import torch
 
-    from ssl_vit.config import holdout_fraction, load_config
+    from ssl_vit.config import load_config
     from ssl_vit.data.manifest import load_manifest
     from ssl_vit.engine.compile import resolve_compile
 
@@ -151,7 +151,7 @@ def full_run_mode(config: str, shards: str, overrides: list[str]) -> str:
     images = (
         cfg.train.steps * cfg.train.global_batch
         if cfg.train.steps
-        else (cfg.train.epochs * n * (1 - holdout_fraction(cfg)))
+        else (cfg.train.epochs * n * (1 - cfg.holdout_share))
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return resolve_compile(cfg.train.compile, int(images), cfg.train.zero_stage, device)[0]

@@ -36,7 +36,7 @@ class RunConfig:
     checkpoint_every: int = 500  # steps between checkpoints (one is always written at the end)
     keep_checkpoints: int = 2  # the last K complete checkpoints are kept
     # Epochs after which the backbone is also exported to RUN/export_epoch<E>/: snapshots of one
-    # run for accuracy-against-pretraining-length curves (evals/study.py).
+    # run for accuracy-against-pretraining-length curves.
     export_epochs: list[int] = field(default_factory=list)
     log_every: int = 20  # steps between metric lines / MLflow points
     max_nonfinite_steps: int = 5  # stop after this many non-finite losses in a row

@@ -9,16 +9,14 @@ exports are the same files either way. Evaluations during training run the block
 would each cost a compile of their own.
 
 `train.compile`: true, false, or auto. On a CPU, whether compiling pays depends on the machine
-and on what runs beside training (the loader workers share the cores): on 2 AMD EPYC cores
-(fp32, the MPP preset's model, batch 256; benchmarks/train_throughput.py, 3 rounds) the plain
-loop compiled ran 1223 vs 1121 images/s eager and the pipeline 1080 vs 910, while an earlier
-session on the same kind of machine measured the pipeline 5-7% slower compiled. So auto on a
-CPU measures it in the run itself (`CompileTrial`): TRIAL_STEPS steps eager, then as many
-compiled, and it keeps the faster (the same choice on every rank); a launch too short to pay
-for the trial, or a machine without a C++ compiler for Inductor's kernels, stays eager. On a
-GPU auto is on for runs of at least AUTO_MIN_IMAGES images, without ZeRO-3 (its parameter hooks
-run inside each block's forward). The GPU threshold is not measured here (no GPU in these runs):
-it asks that a compile of a minute or two be a small share of the run.
+and on what runs beside training (the loader workers share the cores): measured on 2-core
+machines of one kind it has come out both faster and slower. So auto on a CPU measures it in the
+run itself (`CompileTrial`): TRIAL_STEPS steps eager, then as many compiled, and it keeps the
+faster (the same choice on every rank); a launch too short to pay for the trial, or a machine
+without a C++ compiler for Inductor's kernels, stays eager. On a GPU auto is on for runs of at
+least AUTO_MIN_IMAGES images, without ZeRO-3 (its parameter hooks run inside each block's
+forward); that threshold is a judgement, not a measurement: a compile of a minute or two should
+be a small share of the run.
 """
 
 from __future__ import annotations
