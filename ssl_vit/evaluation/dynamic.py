@@ -128,8 +128,14 @@ def choose_thresholds(
         fits = [t for t in table if t[1] <= b * (1 + 1e-9)]
         if fits:
             top1, flops, thr = max(fits, key=lambda t: (t[0], -t[1]))
-            chosen.append({"budget_flops": float(b), "thresholds": thr,
-                           "held_top1": top1, "held_mean_flops": flops})  # fmt: skip
+            chosen.append(
+                {
+                    "budget_flops": float(b),
+                    "thresholds": thr,
+                    "held_top1": top1,
+                    "held_mean_flops": flops,
+                }
+            )
     return chosen
 
 

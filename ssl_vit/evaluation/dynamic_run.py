@@ -75,17 +75,31 @@ def plot(points: list[dict], singles: list[dict], matched: dict | None, path: Pa
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    ax.plot([p["gflops"] for p in points], [100 * p["top1"] for p in points], "o-",
-            label="cascade (thresholds chosen on held-out train)")  # fmt: skip
+    ax.plot(
+        [p["gflops"] for p in points],
+        [100 * p["top1"] for p in points],
+        "o-",
+        label="cascade (thresholds chosen on held-out train)",
+    )
     for s in singles:  # every image leaves at stage s: stages 1..s run for all of them
-        ax.plot(s["gflops_in_cascade"], 100 * s["top1"], "s", label=f"stage {s['stage'] + 1} "
-                f"({s['grid'][0]}x{s['grid'][1]}) for every image")  # fmt: skip
+        ax.plot(
+            s["gflops_in_cascade"],
+            100 * s["top1"],
+            "s",
+            label=f"stage {s['stage'] + 1} ({s['grid'][0]}x{s['grid'][1]}) for every image",
+        )
     if singles:
-        ax.axvline(singles[-1]["gflops_alone"], color="gray", ls=":", lw=1,
-                   label="finest stage's ViT alone (GFLOPs)")  # fmt: skip
+        ax.axvline(
+            singles[-1]["gflops_alone"],
+            color="gray",
+            ls=":",
+            lw=1,
+            label="finest stage's ViT alone (GFLOPs)",
+        )
     if matched:
-        ax.plot(matched["gflops"], 100 * matched["top1"], "*", ms=14, color="k",
-                label="matched point")  # fmt: skip
+        ax.plot(
+            matched["gflops"], 100 * matched["top1"], "*", ms=14, color="k", label="matched point"
+        )
     ax.set_xlabel("mean GFLOPs per image")
     ax.set_ylabel("test top-1 (%)")
     ax.set_title(title, fontsize=9)
@@ -113,8 +127,14 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     startup.ready()  # the model is loaded: later GC passes skip it (ssl_vit/startup.py)
 
     def loader(split: str, holdout: float | None):
-        return make_eval_loader(args.data, split, batch_size=args.batch_size, img_size=size,
-                                num_workers=args.workers, holdout_fraction=holdout)  # fmt: skip
+        return make_eval_loader(
+            args.data,
+            split,
+            batch_size=args.batch_size,
+            img_size=size,
+            num_workers=args.workers,
+            holdout_fraction=holdout,
+        )
 
     t0 = time.perf_counter()
     log.info("held-out part (%.3g) of %s", args.holdout_fraction, args.train_split)
@@ -133,14 +153,20 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     points = []
     for c in chosen:
         r = dynamic.simulate(test, c["thresholds"], costs)
-        points.append({**c, "top1": r["top1"], "gflops": r["mean_flops"] / 1e9,
-                       "exit_share": r["exit_share"]})  # fmt: skip
+        points.append(
+            {**c, "top1": r["top1"], "gflops": r["mean_flops"] / 1e9, "exit_share": r["exit_share"]}
+        )
     singles = [
-        {"stage": s, "grid": list(cascade.stages[s].grid), "top1": float(test.correct[:, s].mean()),
-         "held_top1": float(held.correct[:, s].mean()), "gflops_alone": alone[s] / 1e9,
-         "gflops_in_cascade": float(reach[s]) / 1e9}
+        {
+            "stage": s,
+            "grid": list(cascade.stages[s].grid),
+            "top1": float(test.correct[:, s].mean()),
+            "held_top1": float(held.correct[:, s].mean()),
+            "gflops_alone": alone[s] / 1e9,
+            "gflops_in_cascade": float(reach[s]) / 1e9,
+        }
         for s in range(cascade.num_stages)
-    ]  # fmt: skip
+    ]
     finest = singles[-1]
     # The operating point, chosen on held-out: the least compute whose held-out accuracy
     # reaches the finest stage's held-out accuracy.
@@ -159,20 +185,33 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         last = cascade.stages[-1]
         # The single-stage reference runs timm's own forward (fused attention where torch has
         # it): the cascade must beat the fastest plain ViT, not our unfused blocks.
-        fns = {"cascade_images_per_s": lambda x: cascade.early_exit(x, thr),
-               "finest_images_per_s": lambda x: last.head(last.vit.forward_head(
-                   last.vit.forward_features(x), pre_logits=True)),
-               "finest_unfused_images_per_s": lambda x: last(x, None)}  # fmt: skip
+        fns = {
+            "cascade_images_per_s": lambda x: cascade.early_exit(x, thr),
+            "finest_images_per_s": lambda x: last.head(
+                last.vit.forward_head(last.vit.forward_features(x), pre_logits=True)
+            ),
+            "finest_unfused_images_per_s": lambda x: last(x, None),
+        }
         speed = dynamic.images_per_second(fns, xs, args.batch_size, args.repeats)
-        speed.update({"batch_size": args.batch_size, "images": len(xs), "repeats": args.repeats,
-                      "threads": torch.get_num_threads(), "load_avg": os.getloadavg()})  # fmt: skip
+        speed.update(
+            {
+                "batch_size": args.batch_size,
+                "images": len(xs),
+                "repeats": args.repeats,
+                "threads": torch.get_num_threads(),
+                "load_avg": os.getloadavg(),
+            }
+        )
         speed["speedup"] = speed["cascade_images_per_s"] / speed["finest_images_per_s"]
-        metrics.update({
-            "matched_top1": matched["top1"], "matched_gflops": matched["gflops"],
-            "matched_gflops_ratio": matched["gflops"] / finest["gflops_alone"],
-            "matched_top1_minus_finest": matched["top1"] - finest["top1"],
-            "matched_speedup": speed["speedup"],
-        })  # fmt: skip
+        metrics.update(
+            {
+                "matched_top1": matched["top1"],
+                "matched_gflops": matched["gflops"],
+                "matched_gflops_ratio": matched["gflops"] / finest["gflops_alone"],
+                "matched_top1_minus_finest": matched["top1"] - finest["top1"],
+                "matched_speedup": speed["speedup"],
+            }
+        )
     results = {
         "eval": "dynamic_vit",
         "params": {
@@ -205,9 +244,14 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     out = Path(args.out)
-    png = plot(results["budgets"], results["singles"], results["matched"],
-               out / "accuracy_vs_gflops.png", f"Dynamic ViT {results['params']['sizes']} on "
-               f"{normalise_root(args.data).rstrip('/').rsplit('/', 1)[-1]}")  # fmt: skip
+    png = plot(
+        results["budgets"],
+        results["singles"],
+        results["matched"],
+        out / "accuracy_vs_gflops.png",
+        f"Dynamic ViT {results['params']['sizes']} on "
+        f"{normalise_root(args.data).rstrip('/').rsplit('/', 1)[-1]}",
+    )
     rows = {**results["metrics"]}
     for i, p in enumerate(results["budgets"]):
         rows[f"budget{i}_gflops"] = p["gflops"]
@@ -220,9 +264,15 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     print(f"results: {path}", file=sys.stderr)
     if args.no_mlflow:
         return
-    rid = log_to_mlflow("dynamic_vit", rows, {k: v for k, v in results["params"].items()},
-                        parent_run_id=results["pretrain_run_id"], results_path=path,
-                        tracking_uri=args.tracking_uri, artifacts=(png,))  # fmt: skip
+    rid = log_to_mlflow(
+        "dynamic_vit",
+        rows,
+        {k: v for k, v in results["params"].items()},
+        parent_run_id=results["pretrain_run_id"],
+        results_path=path,
+        tracking_uri=args.tracking_uri,
+        artifacts=(png,),
+    )
     if rid:
         results["mlflow_run_id"] = rid
         write_results(path, results)

@@ -139,9 +139,15 @@ def select_readout(
     # float16 keeps every candidate of a 60k split in memory (1.5 GB for the preset); the
     # ranking is computed in float32 from it
     feats, labels = extract_with(
-        bb, batches, read, device=device, bf16=bf16, total=info.num_samples,
-        desc=f"{split} read-outs", dtype=np.float16,
-    )  # fmt: skip
+        bb,
+        batches,
+        read,
+        device=device,
+        bf16=bf16,
+        total=info.num_samples,
+        desc=f"{split} read-outs",
+        dtype=np.float16,
+    )
     if len(labels) != info.num_samples:
         raise FeatureError(
             f"{manifest.root}: split {split!r} lists {info.num_samples} samples but "
@@ -157,8 +163,15 @@ def select_readout(
     scores = {}
     for c in cands:
         f = feats[c.name].astype(np.float32)
-        m = knn_eval(f[~held], labels[~held], f[held], labels[held], ks=(k,),
-                     temperature=temperature, retrieval=False)  # fmt: skip
+        m = knn_eval(
+            f[~held],
+            labels[~held],
+            f[held],
+            labels[held],
+            ks=(k,),
+            temperature=temperature,
+            retrieval=False,
+        )
         scores[c.name] = m[f"knn_top1@k={k}"]
         log.info("read-out %s: held-out kNN top-1 %.4f", c.name, scores[c.name])
     best = max(cands, key=lambda c: scores[c.name])  # first of equals: later block, mean
