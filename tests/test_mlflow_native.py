@@ -22,7 +22,6 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import save_file
 
 from ssl_vit.tracking.artifacts import ArtifactError, resolve_export
-from ssl_vit.tracking.nesting import PARENT_ENV, ParentRuns
 
 
 def _sha(path: Path) -> str:
@@ -43,7 +42,6 @@ def _export(folder: Path, *, wrong_sha: bool = False) -> Path:
 def store(mlflow_db, tmp_path, monkeypatch):
     """A real SQLite store with its artifact folder, and a tmp download cache."""
     monkeypatch.setenv("SSL_VIT_MLFLOW_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(PARENT_ENV, raising=False)
     uri = f"sqlite:///{mlflow_db}"
     client = MlflowClient(uri)
     exp = client.create_experiment("t", artifact_location=str(tmp_path / "artifacts"))
@@ -146,6 +144,7 @@ def test_study_parent_runs_nest_children(store, tmp_path, monkeypatch):
     """A parent per method, reused on rerun; a Tracker and an eval started under it nest."""
     from ssl_vit.evaluation.report import log_to_mlflow
     from ssl_vit.tracking import Tracker
+    from ssl_vit.tracking.nesting import PARENT_ENV, ParentRuns  # the study's; to be moved
 
     uri, client, _ = store
     parents = ParentRuns(tmp_path / "parents.json", experiment="study", tracking_uri=uri)
@@ -171,6 +170,8 @@ def test_study_parent_runs_nest_children(store, tmp_path, monkeypatch):
 def test_study_groups_steps_by_method_and_reports_links(store, tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "evals"))
     import study_mlflow
+
+    from ssl_vit.tracking.nesting import PARENT_ENV  # the study's; to be moved
 
     uri, client, _ = store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -200,7 +201,6 @@ NOISE = ("faiss.loader", "CUDA_HOME", "Creating initial MLflow database tables")
 def _py(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     full = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **env}
-    full.pop(PARENT_ENV, None)
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,9 +9,8 @@ from pathlib import Path
 
 from ssl_vit.config import Config
 from ssl_vit.io import atomic_write_text
-from ssl_vit.tracking import Tracker
+from ssl_vit.tracking import PARENT_TAG, Tracker
 from ssl_vit.tracking.registry import headline_metrics, register_export
-from ssl_vit.tracking.store import PARENT_TAG
 
 log = logging.getLogger("ssl_vit.train")
 
@@ -24,12 +23,15 @@ def save_run_id(tracker: Tracker, path: Path) -> None:
 
 def register_run(tracker: Tracker, name: str, run_dir: Path) -> None:
     """`tracking.register_as`: the logged export becomes a version of `name` (rank 0)."""
-    if not tracker.flushed:  # the export is still in the spool: registering would dangle
+    if not tracker.flushed:  # the export is not in the store yet: registering would dangle
         log.warning(
             "not registered as %s: the MLflow store did not take the export; after `python -m "
             "ssl_vit.tracking replay %s`, run `python -m ssl_vit.tracking register %s %s`",
-            name, run_dir / "mlflow_spool", tracker.run_id or "RUN_ID", name,
-        )  # fmt: skip
+            name,
+            run_dir / "mlflow_spool",
+            tracker.run_id or "RUN_ID",
+            name,
+        )
         return
     register_export(tracker.tracking_uri, name, tracker.run_id, tags=headline_metrics(run_dir))
 
@@ -45,6 +47,7 @@ def open_run_tracker(
         run_id=run_id_file.read_text().strip() if run_id_file.is_file() else None,
         tracking_uri=cfg.tracking.uri,
         spool_dir=run_dir / "mlflow_spool",
+        metrics_file=run_dir / "metrics.jsonl",  # the run's metric record: replayed from here
         tags={PARENT_TAG: cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None,
     )
     if rank == 0:

@@ -1,80 +1,49 @@
-"""The Tracker: MLflow tracking on rank 0, tolerant of an unreachable server.
+"""The Tracker: one MLflow run on rank 0, logged with MLflow's asynchronous logging, that an
+unreachable store never stalls.
 
-Public API:
+    tracker = Tracker(enabled=rank == 0, experiment="mpp", run_id=saved_id_or_None,
+                      spool_dir=run_dir / "mlflow_spool", metrics_file=run_dir / "metrics.jsonl")
+    tracker.log_params({"optim": {"lr": 2e-4}})    # flattened to "optim.lr"
+    tracker.log_metrics({"loss": 1.2}, step=100)  # steps at or below the run's last are dropped
+    tracker.log_artifact("run/config.yaml")       # uploaded at close
+    tracker.wait_sent()                           # before a checkpoint
+    tracker.close("FINISHED")                     # or a context manager: FAILED / KILLED
 
-    tracker = Tracker(enabled=rank == 0, experiment="mpp", run_name="vit-b16",
-                      run_id=saved_run_id_or_None, spool_dir=run_dir / "mlflow-spool")
-    tracker.run_id                       # None until a store that was down at start returns
-    tracker.log_params({"optim": {"lr": 2e-4}})        # flattened to "optim.lr"
-    tracker.log_metrics({"loss": 1.2}, step=100)      # floats or 0-d tensors
-    tracker.log_artifact("run/config.yaml", artifact_path="config")   # a file or a folder
-    tracker.set_tags({"stage": "pretrain"})
-    tracker.wait_sent()                  # before a checkpoint: what came before it is on record
-    tracker.close("FINISHED")            # or FAILED / KILLED; also a context manager
-
-    python -m ssl_vit.tracking replay SPOOL_DIR [--tracking-uri URI]
-
-Store: `tracking_uri`, else $MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db` in the current
-directory. `enabled=False` (ranks != 0) makes every call a no-op.
-
-Never stalls training: the constructor makes one bounded attempt to reach the store (HTTP
-timeouts default to `timeout` seconds with no client retries, via MLFLOW_HTTP_REQUEST_TIMEOUT /
-MLFLOW_HTTP_REQUEST_MAX_RETRIES unless already set); after that every call only puts an event
-on a queue. A background thread sends the events. When the store cannot be reached it appends
-them to `spool_dir/<run>.jsonl` (one JSON event a line, small artifacts copied beside it),
-retries every `retry_interval` seconds, and on reconnecting replays the spool and renames it
-`*.done-<time>`. What is still spooled when the process ends is pushed later by the replay
-command above (it creates the run if it never existed). Requests the store rejects with a
-client error (e.g. a changed param value) are not retried: a warning, and the event goes to
-`spool_dir/rejected.jsonl`. Any other failure (refused, timeout, 5xx, locked SQLite) is an
-outage: spool and retry.
-
-Resume without duplicates: pass the run_id saved in the run directory. Per metric key, steps
-must increase; a step at or below the last one already stored (read from the run when the
-connection is made) or already logged by this process is dropped, so a job resumed from an
-older checkpoint re-logs nothing twice. The run is set back to RUNNING.
-
-System metrics (CPU, memory, disk, network, GPU when present; needs psutil) are sampled every
-`system_metrics_interval` seconds with mlflow's monitors and logged through the same queue as
-`system/...`, with step = whole seconds since the run started.
+Every call appends to a local record (`spool_dir`, see `store`), except metric points when
+`metrics_file` (written by the caller) already holds them, and sends at once when the store is
+reachable. When it is not, or a send fails, a thread retries every `retry_interval` seconds and
+on reconnecting logs, from the record, what the run lacks (`Store.sync`). A record whose run got
+everything is deleted at close; one left behind is pushed by `python -m ssl_vit.tracking replay`.
+A resumed run (`run_id`) first syncs the records of earlier processes of the same run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import queue
 import threading
 import time
+import uuid
 from collections.abc import Mapping
+from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.tracking.nesting import parent_from_env
-from ssl_vit.tracking.spool import Spool, read_header, replay_file
-from ssl_vit.tracking.store import (
-    MAX_METRICS,
-    PARENT_TAG,
-    Store,
-    Unreachable,
-    resolve_uri,
-    send_or_raise,
-)
+from ssl_vit.tracking.store import Store, read_record, refused, reject, resolve_uri
 
 log = logging.getLogger("ssl_vit.tracking")
-MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH (500 before MLflow 1.x)
-_STOP = object()
+MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """{"a": {"b": 1}} -> {"a.b": "1"}, values stringified and truncated to MLflow's limit."""
     out: dict[str, str] = {}
     for k, v in d.items():
-        key = f"{prefix}{k}"
         if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
-            out[key] = str(v)[:MAX_PARAM_LEN]
+            out[f"{prefix}{k}"] = str(v)[:MAX_PARAM_LEN]
     return out
 
 
@@ -89,61 +58,64 @@ class Tracker:
         run_name: str | None = None,
         run_id: str | None = None,
         tracking_uri: str | None = None,
-        tags: dict[str, str] | None = None,
+        tags: Mapping[str, Any] | None = None,
         spool_dir: str | Path | None = None,
+        metrics_file: str | Path | None = None,
         system_metrics: bool = True,
         system_metrics_interval: float = 10.0,
         timeout: int = 5,
         retry_interval: float = 5.0,
     ) -> None:
-        self.enabled = enabled
-        self._run_id = run_id
+        self.enabled, self._run_id, self.flushed = enabled, run_id, False
         if not enabled:
             return
         self.tracking_uri = resolve_uri(tracking_uri)
-        if self.tracking_uri.startswith(("http://", "https://")):
+        if self.tracking_uri.startswith(("http://", "https://")):  # fail fast, retry ourselves
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout)))
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        self.retry_interval = retry_interval
-        tags = {k: str(v) for k, v in (tags or {}).items()}
-        if parent_from_env() and PARENT_TAG not in tags:  # started by a study: nest under it
-            tags[PARENT_TAG] = parent_from_env()
-        header = dict(
-            tracking_uri=_absolute_uri(self.tracking_uri), experiment=experiment, run_name=run_name,
-            run_id=run_id, tags=tags,
-        )  # fmt: skip
-        self._spool = Spool(Path(spool_dir or "mlflow-spool").resolve(), header)
+        uri = self.tracking_uri
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            uri = f"sqlite:///{Path(uri[10:]).resolve()}"  # a replay from elsewhere finds it
+        self._metrics_file = Path(metrics_file).resolve() if metrics_file else None
+        self.head = dict(
+            tracking_uri=uri,
+            experiment=experiment,
+            run_name=run_name,
+            run_id=run_id,
+            tags={k: str(v) for k, v in (tags or {}).items()},
+            metrics_file=self._metrics_file and str(self._metrics_file),
+        )
+        self.dir = Path(spool_dir or "mlflow-spool").resolve()
+        self.path = self.dir / f"{uuid.uuid4().hex[:12]}.jsonl"
         self._store = Store(self.tracking_uri)
-        self._queue: queue.Queue = queue.Queue()
-        self._last: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._abandon = False
-        self._t0 = time.time()
+        self._lock, self._stop = threading.RLock(), threading.Event()
+        self._last: dict[str, int] = {}  # per key, the last step logged (here or in the run)
+        self._max_step, self._ops, self._clean, self._online = -1, [], True, False
+        self._sys_interval = system_metrics_interval if system_metrics else None
+        self._monitor: Any = None
+        self._retry_s = retry_interval
         self._online = self._connect()
-        self._thread = threading.Thread(target=self._loop, name="ssl-vit-mlflow", daemon=True)
+        if not self._online:
+            log.warning(
+                "MLflow store %s unreachable; the run is kept in %s and sent when it is back",
+                self.tracking_uri,
+                self.path,
+            )
+        self._thread = threading.Thread(target=self._retry, name="ssl-vit-mlflow", daemon=True)
         self._thread.start()
-        self._sys_stop = threading.Event()
-        self._sys_thread = None
-        if system_metrics:
-            self._start_system_metrics(system_metrics_interval)
 
     @property
     def run_id(self) -> str | None:
         return self._run_id
 
-    @property
-    def flushed(self) -> bool:
-        """After `close`: every event reached the store (nothing left in the spool)."""
-        return self.enabled and self._run_id is not None and not self._spool.path.exists()
-
-    # ---- the caller's side: only queue puts ----
+    # ---- the caller's side: a line in the record and, online, an asynchronous send ----
     def log_params(self, params: Mapping[str, Any]) -> None:
         if self.enabled:
-            self._queue.put({"type": "params", "items": flatten(params)})
+            self._log({"params": flatten(params)})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.enabled:
-            self._queue.put({"type": "tags", "items": {k: str(v) for k, v in tags.items()}})
+            self._log({"tags": {k: str(v) for k, v in tags.items()}})
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         if not self.enabled:
@@ -151,50 +123,54 @@ class Tracker:
         now, rows = int(time.time() * 1000), []
         with self._lock:
             for key, value in metrics.items():
-                if step <= self._last.get(key, -(2**62)):
-                    continue  # an already-logged step (resume): dropped, see module doc
-                self._last[key] = step
-                rows.append((key, float(value), now, int(step)))
-        if rows:
-            self._queue.put({"type": "metrics", "metrics": rows})
+                if step > self._last.get(key, -1):  # at or below: logged already (a resume)
+                    self._last[key] = step
+                    rows.append([key, float(value), now, int(step)])
+            if rows:
+                self._max_step = max(self._max_step, int(step))
+                self._log({"metrics": rows}, keep=self._metrics_file is None)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self.enabled:
-            ev = {"type": "artifact", "path": str(Path(path).resolve())}
-            self._queue.put({**ev, "artifact_path": artifact_path})
+            self._log({"artifact": str(Path(path).resolve()), "artifact_path": artifact_path})
 
     def wait_sent(self, timeout: float = 5.0) -> bool:
-        """Wait (at most `timeout` s) until every event queued so far is in the store or in the
-        spool on disk. A trainer calls it before writing a checkpoint: a run killed right after
-        the checkpoint then resumes from it with every earlier metric on record; without it the
-        killed process took the last queued points with it, and the resumed run, which starts
-        after the checkpoint's step, never logged them again. True when it got there in time."""
-        if not self.enabled or not self._thread.is_alive():
+        """Wait (at most `timeout` s) until what was sent so far is in the store; True when it
+        got there in time. Everything is on disk already (the record, or the metrics file)."""
+        if not self.enabled:
             return True
-        sent = threading.Event()
-        self._queue.put({"type": "mark", "sent": sent})
-        return sent.wait(timeout)
+        pending = wait([f for f, _ in self._ops], timeout).not_done
+        self._reap()
+        return not pending
 
     def close(self, status: str = "FINISHED", timeout: float = 15.0) -> None:
-        """End the run; wait at most `timeout` s for the queue, then spool what is left."""
-        if not self.enabled or not self._thread.is_alive():
+        """End the run: wait at most `timeout` s for what is in flight, upload the artifacts,
+        set the status; the record is deleted when the run got everything."""
+        if not self.enabled or self._stop.is_set():
             return
-        self._sys_stop.set()
-        if self._sys_thread is not None:
-            self._sys_thread.join(timeout=2)
-        self._queue.put({"type": "end", "status": status, "time": int(time.time() * 1000)})
-        self._queue.put(_STOP)
+        self._stop.set()
         self._thread.join(timeout)
-        if self._thread.is_alive():  # stuck on a slow store: keep the rest on disk
-            self._abandon = True
-            left = self._drain()
-            self._spool.append(ev for ev in left if ev is not _STOP and ev["type"] != "mark")
-        if self._spool.path.exists():
+        if self._monitor is not None:
+            self._monitor.finish()
+        self._log({"end": status, "time": int(time.time() * 1000)}, send=False)
+        sent = self.wait_sent(timeout)  # else a sync could log twice what is still in flight
+        if sent and not self._online:  # one more try to reach the store
+            self._online, self._clean = self._connect(), False
+        try:
+            if sent and self._online:
+                self._store.sync(self.path, self._run_id, full=not self._clean)
+                self.path.unlink()
+                self.flushed = True
+        except Exception as e:
+            log.warning("MLflow store %s: %s", self.tracking_uri, str(e).splitlines()[0][:300])
+        if not self.flushed:
             log.warning(
-                "MLflow store %s unreachable: events kept in %s; push them with "
+                "MLflow store %s unreachable: the run is kept in %s; push it with "
                 "`python -m ssl_vit.tracking replay %s`",
-                self.tracking_uri, self._spool.path, self._spool.root,
-            )  # fmt: skip
+                self.tracking_uri,
+                self.path,
+                self.dir,
+            )
 
     def __enter__(self) -> Tracker:
         return self
@@ -203,124 +179,106 @@ class Tracker:
         status = "FINISHED" if exc_type is None else "FAILED"
         self.close("KILLED" if exc_type is KeyboardInterrupt else status)
 
-    # ---- the background thread ----
+    def _log(self, ev: dict, keep: bool = True, send: bool = True) -> None:
+        with self._lock:
+            if keep:
+                new = not self.path.exists()
+                self.dir.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write("".join(json.dumps(x) + "\n" for x in [self.head] * new + [ev]))
+            if not (send and self._online) or "artifact" in ev:
+                return
+            from mlflow.entities import Metric, Param, RunTag
+
+            ops = self._store.client.log_batch(
+                self._run_id,
+                metrics=[Metric(*m) for m in ev.get("metrics", [])],
+                params=[Param(k, v) for k, v in ev.get("params", {}).items()],
+                tags=[RunTag(k, v) for k, v in ev.get("tags", {}).items()],
+                synchronous=False,
+            )
+            # RunOperations keeps one concurrent future per batch sent
+            self._ops += [(f, ev) for f in (ops._operation_futures if ops else [])]
+            if len(self._ops) > 256:
+                self._reap()
+
+    def _reap(self) -> None:
+        """Forget the sends that are done; a failed one puts the tracker offline."""
+        with self._lock:
+            for f, ev in [op for op in self._ops if op[0].done()]:
+                self._ops.remove((f, ev))
+                if f.exception() is None:
+                    continue
+                if refused(f.exception()):
+                    reject(ev, f.exception(), self.dir)
+                elif self._online:
+                    log.warning(
+                        "MLflow store %s unreachable (%s); retrying every %gs",
+                        self.tracking_uri,
+                        str(f.exception())[:200],
+                        self._retry_s,
+                    )
+                    self._online = self._clean = False
+                else:
+                    self._clean = False
+
     def _connect(self) -> bool:
-        """Reach the store, get the run, replay this run's spools. False if unreachable."""
+        """Reach the store, get the run, sync earlier records of it, then this one."""
         try:
             if not self._store.reachable():
                 return False
-            self._run_id = self._store.connect({**self._spool.header, "run_id": self._run_id})
-            self._t0 = self._store.start_time or self._t0
-            self._spool.header["run_id"] = self._run_id
-            mine = [self._spool.path] + [  # ours, then earlier processes' spools of this run
-                p
-                for p in sorted(self._spool.root.glob("*.jsonl"))
-                if p != self._spool.path and read_header(p).get("run_id") == self._run_id
-            ]
-            for path in mine:
-                if path.exists():
-                    replay_file(path, store=self._store, run_id=self._run_id)
+            wait([f for f, _ in self._ops])  # what failed in flight: synced below, not twice
+            self._reap()
+            run = self._store.run(self.head)
+            rid = run.info.run_id
+            if rid != self.head["run_id"]:
+                with self._lock:
+                    self.head["run_id"] = rid
+                    if self.path.exists():
+                        self._log({"run_id": rid}, send=False)
+            for other in sorted(self.dir.glob("*.jsonl")):
+                if other != self.path and other.name != "rejected.jsonl":
+                    if read_record(other)[0].get("run_id") == rid:
+                        self._store.sync(other, rid)
+                        other.unlink()
+            run = self._store.client.get_run(rid)
+            if run.info.status != "RUNNING":
+                self._store.client.update_run(rid, status="RUNNING")
+            with self._lock:
+                for m in run.data._metric_objs:  # the latest step of each key
+                    self._last[m.key] = max(m.step, self._last.get(m.key, -1))
+                self._online, self._run_id, upto = True, rid, self._max_step
+            if self.path.exists():
+                self._store.sync(self.path, rid, upto=upto)
         except Exception as e:
-            log.warning("MLflow store %s unreachable (%s); spooling to %s", self.tracking_uri, e,
-                        self._spool.root)  # fmt: skip
+            log.warning("MLflow store %s unreachable (%s)", self.tracking_uri, str(e)[:300])
+            self._online = False
             return False
-        self._spool.name = self._run_id
+        self._start_system_metrics()
         return True
 
-    def _drain(self, limit: int = 1 << 30) -> list:
-        out = []
-        while len(out) < limit:
-            try:
-                out.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return out
-
-    def _loop(self) -> None:
-        last_try = time.monotonic()
-        while True:
-            try:
-                ev = self._queue.get(timeout=self.retry_interval)
-            except queue.Empty:
-                ev = None
-            if not self._online and time.monotonic() - last_try >= self.retry_interval:
-                last_try = time.monotonic()
+    def _retry(self) -> None:
+        while not self._stop.wait(self._retry_s):
+            self._reap()
+            if not self._online and not self._stop.is_set():
                 self._online = self._connect()
-            if ev is None:
-                continue
-            if ev is _STOP:
-                return
-            for e in _merge_metrics([ev] + self._drain(limit=256)):
-                if e is _STOP:
-                    return
-                self._handle(e)
 
-    def _handle(self, ev: dict) -> None:
-        if ev["type"] == "mark":  # every event queued before it has been sent or spooled
-            ev["sent"].set()
+    def _start_system_metrics(self) -> None:
+        """MLflow's own monitor (CPU, memory, disk, network, GPU; needs psutil), logging to the
+        run from its thread; it stops on an outage and starts again on reconnecting."""
+        if self._sys_interval is None:
             return
-        if self._online and not self._abandon and self._run_id is not None:
-            try:
-                send_or_raise(self._store, self._run_id, ev, self._spool.reject)
-                return
-            except Unreachable as e:
-                log.warning("MLflow store %s unreachable (%s); spooling to %s",
-                            self.tracking_uri, e, self._spool.root)  # fmt: skip
-                self._online = False
-        self._spool.append([ev])
-
-    def _start_system_metrics(self, interval: float) -> None:
-        # mlflow.enable_system_metrics_logging would log straight to the store from its own
-        # thread; sampling its monitors here puts the values through our queue and spool, so a
-        # store outage loses none of them.
+        if self._monitor is not None:
+            self._monitor.finish()
         try:
-            import psutil  # noqa: F401  (mlflow's monitors need it)
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            monitor = SystemMetricsMonitor(self._run_id or "-", tracking_uri=self.tracking_uri)
-        except Exception as e:  # psutil missing, or an mlflow without the monitors
+            self._monitor = SystemMetricsMonitor(
+                self._run_id,
+                sampling_interval=self._sys_interval,
+                resume_logging=True,
+                tracking_uri=self.tracking_uri,
+            )
+            self._monitor.start()
+        except Exception as e:  # psutil missing
             log.info("system metrics off (%s)", e)
-            return
-
-        def sample() -> None:
-            while not self._sys_stop.wait(interval):
-                try:
-                    monitor.collect_metrics()
-                    values = monitor.aggregate_metrics()
-                    for m in monitor.monitors:
-                        m.clear_metrics()
-                except Exception as e:
-                    log.info("system metrics stopped (%s)", e)
-                    return
-                step = int(time.time() - self._t0)
-                self.log_metrics({f"system/{k}": v for k, v in values.items()}, step=step)
-
-        self._sys_thread = threading.Thread(target=sample, name="ssl-vit-sysmetrics", daemon=True)
-        self._sys_thread.start()
-
-
-def _merge_metrics(events: list) -> list:
-    """Consecutive metrics events become one (so one log_batch sends them)."""
-    out: list = []
-    for ev in events:
-        prev = out[-1] if out else None
-        if (
-            ev is not _STOP
-            and ev["type"] == "metrics"
-            and prev is not None
-            and prev is not _STOP
-            and prev["type"] == "metrics"
-            and len(prev["metrics"]) + len(ev["metrics"]) <= MAX_METRICS
-        ):
-            out[-1] = {"type": "metrics", "metrics": prev["metrics"] + ev["metrics"]}
-        else:
-            out.append(ev)
-    return out
-
-
-def _absolute_uri(uri: str) -> str:
-    """sqlite:///rel.db -> sqlite:////abs/rel.db, so a later replay finds the same file."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str(Path(uri[len(prefix) :]).resolve())
-    return uri
