@@ -1,14 +1,15 @@
-"""The MLflow side: a client per store, and `Store.sync`, which brings a run up to date with a
-Tracker's local record.
+"""The MLflow side of tracking: a client per store, and `Store.sync`, which logs into a run what a
+Tracker's local record holds and the run lacks.
 
-A record is a JSONL file: its first line names the run (store, experiment, name, id, tags, and
-the metrics file, if any, that holds its metric rows), then one event a line: `params`, `tags`,
-`artifact`, `end`, and `metrics` when there is no metrics file. A metrics file is the trainer's
-RUN/metrics.jsonl: `{"step": S, "key": value, ...}` a line.
+A record is a JSONL file: first the run (store, experiment, name, id, tags, and the metrics file,
+e.g. RUN/metrics.jsonl with a `{"step": S, "key": value, ...}` line per logged step, that holds
+its metric points), then `params`, `tags`, `artifact`, `end`, `run_id` and, without a metrics
+file, `metrics` events, one a line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -33,10 +34,10 @@ def resolve_uri(uri: str | None) -> str:
 
 
 def open_client(uri: str) -> Any:
-    """An MlflowClient on `uri`. A new SQLite store is created and migrated by the first client,
-    and processes doing that at once race on its tables ("table ... already exists"), so a
-    SQLite client is made under an exclusive lock named by the database's path. The lock is a
-    separate file: closing any descriptor of a SQLite file drops the process's locks on it."""
+    """An MlflowClient on `uri`. The first client of a new SQLite store creates its tables, and
+    processes doing that at once fail ("table ... already exists"), so a SQLite client is made
+    under an exclusive lock named by the database's path: a separate file, since closing any
+    descriptor of a SQLite file drops the process's SQLite locks on it."""
     from mlflow.tracking import MlflowClient
 
     if not uri.startswith("sqlite:///"):
@@ -47,38 +48,26 @@ def open_client(uri: str) -> Any:
         return MlflowClient(uri)
 
 
+def _lines(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash mid-write
+            out.append(json.loads(line))
+    return out
+
+
 def read_record(path: Path) -> tuple[dict, list[dict]]:
-    """(first line, events) of a record; a line cut by a crash mid-write is skipped."""
-    lines = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:
-            log.warning("%s: a line that is not JSON skipped", path)
+    """(the run, the events) of a record."""
+    lines = _lines(path)
     if not lines or "experiment" not in lines[0]:
-        raise ValueError(f"{path}: no run on its first line; not an ssl-vit tracking record")
+        raise ValueError(f"{path}: no run on its first line; not a record of ssl_vit.tracking")
     for ev in lines:  # the id of a run created after the record began
         lines[0]["run_id"] = ev.get("run_id", lines[0]["run_id"])
     return lines[0], lines[1:]
 
 
-def file_rows(path: Path, now: int) -> list[list]:
-    """[key, value, time, step] of every number in a metrics file ({"step": S, ...} lines)."""
-    rows = []
-    text = path.read_text(encoding="utf-8") if path.is_file() else ""
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                rows.append([k, float(v), now, int(row["step"])])
-    return rows
-
-
 class Store:
-    """One tracking store: find or create a run, and sync a record into it."""
+    """One tracking store: a run for a record, and the sync of a record into its run."""
 
     def __init__(self, uri: str) -> None:
         self.uri, self.client = uri, open_client(uri)
@@ -91,87 +80,87 @@ class Store:
             return False
 
     def run(self, head: dict) -> Any:
-        """The record's run; created (in its parent's experiment, for the UI) when it has none."""
+        """The record's run, set RUNNING; created when the record has none, in its parent's
+        experiment (where the MLflow UI shows it nested) when it has a parent."""
         from mlflow.exceptions import MlflowException
 
         if head.get("run_id"):
             try:
-                return self.client.get_run(head["run_id"])
+                run = self.client.get_run(head["run_id"])
+                if run.info.status != "RUNNING":
+                    self.client.update_run(run.info.run_id, "RUNNING")
+                return run
             except MlflowException as e:
                 if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
-                log.warning("run %s not in %s; starting a new run", head["run_id"], self.uri)
-        tags, exp_id = dict(head.get("tags") or {}), None
-        if tags.get(PARENT_TAG):
-            try:
-                exp_id = self.client.get_run(tags[PARENT_TAG]).info.experiment_id
-            except MlflowException:
-                log.warning("parent run %s not in %s; not nesting", tags.pop(PARENT_TAG), self.uri)
-        if exp_id is None:
+                log.warning("run %s is not in %s; starting a new run", head["run_id"], self.uri)
+        tags, exp = dict(head["tags"]), None
+        with contextlib.suppress(MlflowException):
+            exp = tags.get(PARENT_TAG) and self.client.get_run(tags[PARENT_TAG]).info.experiment_id
+        if tags.get(PARENT_TAG) and not exp:
+            log.warning("parent run %s is not in %s; not nested", tags.pop(PARENT_TAG), self.uri)
+        if not exp:
             exp = self.client.get_experiment_by_name(head["experiment"])
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(head["experiment"])
-        return self.client.create_run(exp_id, run_name=head.get("run_name"), tags=tags)
+            exp = exp.experiment_id if exp else self.client.create_experiment(head["experiment"])
+        return self.client.create_run(exp, run_name=head.get("run_name"), tags=tags)
+
+    def send(self, folder: Path, run_id: str, **batch: list) -> None:
+        """log_batch; a batch the store refuses goes to folder/rejected.jsonl, not raised."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.log_batch(run_id, **batch)
+        except MlflowException as e:
+            if e.error_code not in REFUSED:
+                raise
+            log.warning("MLflow refused %s (%s); kept in %s", list(batch), str(e)[:300], folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "rejected.jsonl", "a", encoding="utf-8") as f:
+                sent = {k: [str(x) for x in v] for k, v in batch.items()}
+                f.write(json.dumps({**sent, "error": str(e)[:500]}) + "\n")
 
     def sync(
-        self, path: Path, run_id: str | None = None, *, upto: float = math.inf, full: bool = True
+        self,
+        path: Path,
+        run_id: str | None = None,
+        *,
+        upto: float = math.inf,
+        data: bool = True,
+        final: bool = True,
     ) -> str:
-        """Log what record `path` holds and run `run_id` lacks: params and tags (a refused one
-        goes to rejected.jsonl beside the record), the metric points at steps <= `upto` that
-        MLflow's history of their key does not have, the artifacts, and the end status. With
-        `full=False`, only the artifacts and the end (the rest reached the store already)."""
+        """Log into the run what record `path` holds and it lacks; returns the run id. `data`:
+        params, tags and the metric points at steps <= `upto` that MLflow's history of their
+        key does not have; `final`: the artifacts and the end status."""
         from mlflow.entities import Metric, Param, RunTag
 
         head, events = read_record(path)
         if run_id is None and (run_id := self.run(head).info.run_id) != head["run_id"]:
             with open(path, "a", encoding="utf-8") as f:  # a second replay finds this run
                 f.write(json.dumps({"run_id": run_id}) + "\n")
-        rows = []
-        if full and head.get("metrics_file"):
-            rows = file_rows(Path(head["metrics_file"]), int(time.time() * 1000))
+        now, rows = int(time.time() * 1000), []
+        for row in _lines(Path(head["metrics_file"])) if data and head["metrics_file"] else []:
+            rows += [[k, v, now, row["step"]] for k, v in row.items() if type(v) in (int, float)]
         for ev in events:
-            if full and ("params" in ev or "tags" in ev):
+            if data and ("params" in ev or "tags" in ev):
                 params = [Param(k, v) for k, v in ev.get("params", {}).items()]
-                tags = [RunTag(k, v) for k, v in ev.get("tags", {}).items()]
-                try:
-                    self.client.log_batch(run_id, params=params, tags=tags)
-                except Exception as e:
-                    if not refused(e):
-                        raise
-                    reject(ev, e, path.parent)
-            elif full and "metrics" in ev:
-                rows += ev["metrics"]
-            elif "artifact" in ev:
-                self.upload(run_id, Path(ev["artifact"]), ev.get("artifact_path"))
-            elif "end" in ev:
+                self.send(
+                    path.parent,
+                    run_id,
+                    params=params,
+                    tags=[RunTag(k, v) for k, v in ev.get("tags", {}).items()],
+                )
+            rows += ev.get("metrics", []) if data else []
+            art = Path(ev.get("artifact", ""))
+            if final and "artifact" in ev and art.exists():
+                log_art = self.client.log_artifacts if art.is_dir() else self.client.log_artifact
+                log_art(run_id, str(art), ev.get("artifact_path"))
+            elif final and "artifact" in ev:
+                log.warning("artifact %s no longer exists; not logged", art)
+            if final and "end" in ev:
                 self.client.set_terminated(run_id, ev["end"], end_time=ev["time"])
-        have = {
-            k: {m.step for m in self.client.get_metric_history(run_id, k)}
-            for k in {r[0] for r in rows if r[3] <= upto}
-        }
-        new = []
-        for key, value, ms, step in rows:
-            if step <= upto and step not in have[key]:
-                have[key].add(step)
-                new.append(Metric(key, value, ms, step))
-        self.client.log_batch(run_id, metrics=new)  # split into allowed batch sizes by MLflow
+        rows = [r for r in rows if r[0] != "step" and r[3] <= upto]
+        keys = {r[0] for r in rows}
+        have = {k: {m.step for m in self.client.get_metric_history(run_id, k)} for k in keys}
+        new = {(k, s): Metric(k, v, t, s) for k, v, t, s in rows if s not in have[k]}
+        self.send(path.parent, run_id, metrics=list(new.values()))  # batched by MLflow
         return run_id
-
-    def upload(self, run_id: str, path: Path, artifact_path: str | None) -> None:
-        if path.is_dir():
-            self.client.log_artifacts(run_id, str(path), artifact_path)
-        elif path.is_file():
-            self.client.log_artifact(run_id, str(path), artifact_path)
-        else:
-            log.warning("artifact %s no longer exists; not logged", path)
-
-
-def refused(e: Exception) -> bool:
-    """A request the store refuses (retrying cannot help), not an outage."""
-    return getattr(e, "error_code", None) in REFUSED
-
-
-def reject(ev: dict, err: Exception, folder: Path) -> None:
-    log.warning("MLflow refused %s (%s); kept in %s", list(ev), str(err)[:300], folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "rejected.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({**ev, "error": str(err)[:500]}) + "\n")

@@ -1,20 +1,19 @@
-"""The Tracker: one MLflow run on rank 0, logged with MLflow's asynchronous logging, that an
-unreachable store never stalls.
+"""The Tracker: one MLflow run on rank 0, sent with MLflow's asynchronous logging, never stalled
+by an unreachable store.
 
     tracker = Tracker(enabled=rank == 0, experiment="mpp", run_id=saved_id_or_None,
                       spool_dir=run_dir / "mlflow_spool", metrics_file=run_dir / "metrics.jsonl")
     tracker.log_params({"optim": {"lr": 2e-4}})    # flattened to "optim.lr"
-    tracker.log_metrics({"loss": 1.2}, step=100)  # steps at or below the run's last are dropped
+    tracker.log_metrics({"loss": 1.2}, step=100)  # a step at or below the run's last: dropped
     tracker.log_artifact("run/config.yaml")       # uploaded at close
-    tracker.wait_sent()                           # before a checkpoint
     tracker.close("FINISHED")                     # or a context manager: FAILED / KILLED
 
-Every call appends to a local record (`spool_dir`, see `store`), except metric points when
-`metrics_file` (written by the caller) already holds them, and sends at once when the store is
-reachable. When it is not, or a send fails, a thread retries every `retry_interval` seconds and
-on reconnecting logs, from the record, what the run lacks (`Store.sync`). A record whose run got
-everything is deleted at close; one left behind is pushed by `python -m ssl_vit.tracking replay`.
-A resumed run (`run_id`) first syncs the records of earlier processes of the same run.
+Each call is appended to a local record in `spool_dir` (see `store`) except metric points when
+`metrics_file`, written by the caller, holds them; and it is sent when the store is reachable.
+When it is not, or a send fails, a thread retries every `retry_interval` seconds and then logs
+from the record what the run lacks (resuming the run, or creating it). The record is deleted at
+close once the run has everything; one left behind is sent by `python -m ssl_vit.tracking replay
+SPOOL_DIR`, or by the next Tracker of the same run (a resumed job) when it connects.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.tracking.store import Store, read_record, refused, reject, resolve_uri
+from ssl_vit.tracking.store import Store, read_record, resolve_uri
 
 log = logging.getLogger("ssl_vit.tracking")
 MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
@@ -69,35 +68,41 @@ class Tracker:
         self.enabled, self._run_id, self.flushed = enabled, run_id, False
         if not enabled:
             return
-        self.tracking_uri = resolve_uri(tracking_uri)
-        if self.tracking_uri.startswith(("http://", "https://")):  # fail fast, retry ourselves
+        self.tracking_uri = uri = resolve_uri(tracking_uri)
+        if uri.startswith(("http://", "https://")):  # fail fast: the thread below retries
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout)))
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        uri = self.tracking_uri
-        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        elif uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
             uri = f"sqlite:///{Path(uri[10:]).resolve()}"  # a replay from elsewhere finds it
-        self._metrics_file = Path(metrics_file).resolve() if metrics_file else None
+        self._metrics_file = metrics_file and str(Path(metrics_file).resolve())
+        tags = {k: str(v) for k, v in (tags or {}).items()}
         self.head = dict(
             tracking_uri=uri,
             experiment=experiment,
             run_name=run_name,
             run_id=run_id,
-            tags={k: str(v) for k, v in (tags or {}).items()},
-            metrics_file=self._metrics_file and str(self._metrics_file),
+            tags=tags,
+            metrics_file=self._metrics_file,
         )
         self.dir = Path(spool_dir or "mlflow-spool").resolve()
         self.path = self.dir / f"{uuid.uuid4().hex[:12]}.jsonl"
-        self._store = Store(self.tracking_uri)
-        self._lock, self._stop = threading.RLock(), threading.Event()
-        self._last: dict[str, int] = {}  # per key, the last step logged (here or in the run)
-        self._max_step, self._ops, self._clean, self._online = -1, [], True, False
-        self._sys_interval = system_metrics_interval if system_metrics else None
-        self._monitor: Any = None
-        self._retry_s = retry_interval
-        self._online = self._connect()
-        if not self._online:
+        self._store, self._lock, self._stop = (
+            Store(self.tracking_uri),
+            threading.RLock(),
+            threading.Event(),
+        )
+        self._last: dict[str, int] = {}  # per key, the last step logged, here or in the run
+        self._ops, self._max_step, self._clean, self._online, self._monitor = (
+            [],
+            -1,
+            True,
+            False,
+            None,
+        )
+        self._sys, self._retry_s = system_metrics and system_metrics_interval, retry_interval
+        if not self._connect():
             log.warning(
-                "MLflow store %s unreachable; the run is kept in %s and sent when it is back",
+                "MLflow store %s unreachable; the run is kept in %s and sent once it is back",
                 self.tracking_uri,
                 self.path,
             )
@@ -108,68 +113,72 @@ class Tracker:
     def run_id(self) -> str | None:
         return self._run_id
 
-    # ---- the caller's side: a line in the record and, online, an asynchronous send ----
     def log_params(self, params: Mapping[str, Any]) -> None:
         if self.enabled:
-            self._log({"params": flatten(params)})
+            self._log_batch("params", flatten(params))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.enabled:
-            self._log({"tags": {k: str(v) for k, v in tags.items()}})
+            self._log_batch("tags", {k: str(v) for k, v in tags.items()})
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        from mlflow.entities import Metric
+
         if not self.enabled:
             return
-        now, rows = int(time.time() * 1000), []
-        with self._lock:
-            for key, value in metrics.items():
-                if step > self._last.get(key, -1):  # at or below: logged already (a resume)
-                    self._last[key] = step
-                    rows.append([key, float(value), now, int(step)])
-            if rows:
-                self._max_step = max(self._max_step, int(step))
-                self._log({"metrics": rows}, keep=self._metrics_file is None)
+        now, step = int(time.time() * 1000), int(step)
+        with self._lock:  # a step at or below the key's last is logged already (a resume)
+            rows = [
+                [k, float(v), now, step] for k, v in metrics.items() if step > self._last.get(k, -1)
+            ]
+            self._last.update((k, step) for k, *_ in rows)
+            self._max_step = max(self._max_step, step)
+            if rows and not self._metrics_file:
+                self._append({"metrics": rows})
+            if rows and self._online:
+                ops = self._store.client.log_batch(
+                    self._run_id, [Metric(*r) for r in rows], synchronous=False
+                )
+                self._ops += ops._operation_futures  # a concurrent future per batch
+                if len(self._ops) > 256:
+                    self._settle()
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self.enabled:
-            self._log({"artifact": str(Path(path).resolve()), "artifact_path": artifact_path})
+            self._append({"artifact": str(Path(path).resolve()), "artifact_path": artifact_path})
 
     def wait_sent(self, timeout: float = 5.0) -> bool:
-        """Wait (at most `timeout` s) until what was sent so far is in the store; True when it
-        got there in time. Everything is on disk already (the record, or the metrics file)."""
-        if not self.enabled:
-            return True
-        pending = wait([f for f, _ in self._ops], timeout).not_done
-        self._reap()
-        return not pending
+        """Wait (at most `timeout` s) until the metric points sent so far are in the store; True
+        when they got there in time. (Everything is on disk already, in a record or the metrics
+        file, so a checkpoint needs no wait.)"""
+        return not self.enabled or self._settle(timeout)
 
     def close(self, status: str = "FINISHED", timeout: float = 15.0) -> None:
-        """End the run: wait at most `timeout` s for what is in flight, upload the artifacts,
-        set the status; the record is deleted when the run got everything."""
+        """End the run: upload the artifacts, set the status, delete the record; or keep it."""
         if not self.enabled or self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(timeout)
         if self._monitor is not None:
             self._monitor.finish()
-        self._log({"end": status, "time": int(time.time() * 1000)}, send=False)
-        sent = self.wait_sent(timeout)  # else a sync could log twice what is still in flight
-        if sent and not self._online:  # one more try to reach the store
-            self._online, self._clean = self._connect(), False
-        try:
-            if sent and self._online:
-                self._store.sync(self.path, self._run_id, full=not self._clean)
+        self._append({"end": status, "time": int(time.time() * 1000)})
+        sent, data = self._settle(timeout), not self._clean  # in flight: a sync could log twice
+        if sent and not self._online:
+            self._online, data = self._connect(), False  # which synced the data
+        if sent and self._online:
+            try:
+                self._store.sync(self.path, self._run_id, data=data)
                 self.path.unlink()
                 self.flushed = True
-        except Exception as e:
-            log.warning("MLflow store %s: %s", self.tracking_uri, str(e).splitlines()[0][:300])
+            except Exception as e:
+                log.warning("MLflow store %s: %s", self.tracking_uri, str(e).splitlines()[0][:300])
         if not self.flushed:
             log.warning(
-                "MLflow store %s unreachable: the run is kept in %s; push it with "
-                "`python -m ssl_vit.tracking replay %s`",
-                self.tracking_uri,
+                "MLflow run kept in %s; send it with `python -m ssl_vit.tracking replay "
+                "%s` once %s is reachable",
                 self.path,
                 self.dir,
+                self.tracking_uri,
             )
 
     def __enter__(self) -> Tracker:
@@ -179,106 +188,96 @@ class Tracker:
         status = "FINISHED" if exc_type is None else "FAILED"
         self.close("KILLED" if exc_type is KeyboardInterrupt else status)
 
-    def _log(self, ev: dict, keep: bool = True, send: bool = True) -> None:
+    def _append(self, ev: dict) -> None:
         with self._lock:
-            if keep:
-                new = not self.path.exists()
-                self.dir.mkdir(parents=True, exist_ok=True)
-                with open(self.path, "a", encoding="utf-8") as f:
-                    f.write("".join(json.dumps(x) + "\n" for x in [self.head] * new + [ev]))
-            if not (send and self._online) or "artifact" in ev:
-                return
-            from mlflow.entities import Metric, Param, RunTag
+            lines = [ev] if self.path.exists() else [self.head, ev]
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(x) + "\n" for x in lines))
 
-            ops = self._store.client.log_batch(
-                self._run_id,
-                metrics=[Metric(*m) for m in ev.get("metrics", [])],
-                params=[Param(k, v) for k, v in ev.get("params", {}).items()],
-                tags=[RunTag(k, v) for k, v in ev.get("tags", {}).items()],
-                synchronous=False,
+    def _log_batch(self, kind: str, items: dict[str, str]) -> None:
+        """Params or tags: recorded, and sent at once (a changed param is refused here)."""
+        from mlflow.entities import Param, RunTag
+
+        with self._lock:
+            self._append({kind: items})
+            if self._online:
+                batch = [(Param if kind == "params" else RunTag)(k, v) for k, v in items.items()]
+                try:
+                    self._store.send(self.dir, self._run_id, **{kind: batch})
+                except Exception as e:
+                    self._offline(e)
+
+    def _offline(self, e: BaseException) -> None:
+        if self._online:
+            log.warning(
+                "MLflow store %s unreachable (%s); retrying every %gs",
+                self.tracking_uri,
+                str(e)[:200],
+                self._retry_s,
             )
-            # RunOperations keeps one concurrent future per batch sent
-            self._ops += [(f, ev) for f in (ops._operation_futures if ops else [])]
-            if len(self._ops) > 256:
-                self._reap()
+        self._online = self._clean = False
 
-    def _reap(self) -> None:
-        """Forget the sends that are done; a failed one puts the tracker offline."""
+    def _settle(self, timeout: float | None = 0) -> bool:
+        """Wait for the metric batches in flight; one that failed puts the tracker offline (the
+        points are in the record or the metrics file). True when none is left in flight."""
+        done, pending = wait(list(self._ops), timeout)
         with self._lock:
-            for f, ev in [op for op in self._ops if op[0].done()]:
-                self._ops.remove((f, ev))
-                if f.exception() is None:
-                    continue
-                if refused(f.exception()):
-                    reject(ev, f.exception(), self.dir)
-                elif self._online:
-                    log.warning(
-                        "MLflow store %s unreachable (%s); retrying every %gs",
-                        self.tracking_uri,
-                        str(f.exception())[:200],
-                        self._retry_s,
-                    )
-                    self._online = self._clean = False
-                else:
-                    self._clean = False
+            self._ops = [f for f in self._ops if f not in done]
+            for e in filter(None, (f.exception() for f in done)):
+                self._offline(e)
+        return not pending
 
     def _connect(self) -> bool:
-        """Reach the store, get the run, sync earlier records of it, then this one."""
+        """Reach the store; sync the records earlier processes left of this run; get the run
+        (created if new, else set RUNNING); then send what this record holds and it lacks."""
         try:
             if not self._store.reachable():
                 return False
-            wait([f for f, _ in self._ops])  # what failed in flight: synced below, not twice
-            self._reap()
-            run = self._store.run(self.head)
-            rid = run.info.run_id
-            if rid != self.head["run_id"]:
-                with self._lock:
-                    self.head["run_id"] = rid
-                    if self.path.exists():
-                        self._log({"run_id": rid}, send=False)
-            for other in sorted(self.dir.glob("*.jsonl")):
-                if other != self.path and other.name != "rejected.jsonl":
-                    if read_record(other)[0].get("run_id") == rid:
+            self._settle(None)  # what failed in flight is synced below, once
+            rid = self.head["run_id"]
+            for other in sorted(self.dir.glob("*.jsonl")) if rid else []:
+                if other.name != "rejected.jsonl" and other != self.path:
+                    if read_record(other)[0]["run_id"] == rid:
                         self._store.sync(other, rid)
                         other.unlink()
-            run = self._store.client.get_run(rid)
-            if run.info.status != "RUNNING":
-                self._store.client.update_run(rid, status="RUNNING")
+            run = self._store.run(self.head)
             with self._lock:
-                for m in run.data._metric_objs:  # the latest step of each key
+                if run.info.run_id != rid and self.path.exists():
+                    self._append({"run_id": run.info.run_id})
+                self.head["run_id"] = self._run_id = run.info.run_id
+                for m in run.data._metric_objs:  # each key's latest point
                     self._last[m.key] = max(m.step, self._last.get(m.key, -1))
-                self._online, self._run_id, upto = True, rid, self._max_step
+                self._online, upto = True, self._max_step
             if self.path.exists():
-                self._store.sync(self.path, rid, upto=upto)
+                self._store.sync(self.path, self._run_id, upto=upto, final=False)
         except Exception as e:
-            log.warning("MLflow store %s unreachable (%s)", self.tracking_uri, str(e)[:300])
-            self._online = False
+            self._offline(e)
             return False
-        self._start_system_metrics()
+        if self._sys and not self._stop.is_set():
+            self._start_monitor()
         return True
 
     def _retry(self) -> None:
         while not self._stop.wait(self._retry_s):
-            self._reap()
-            if not self._online and not self._stop.is_set():
-                self._online = self._connect()
+            self._settle()
+            if not self._online:
+                self._connect()
 
-    def _start_system_metrics(self) -> None:
-        """MLflow's own monitor (CPU, memory, disk, network, GPU; needs psutil), logging to the
-        run from its thread; it stops on an outage and starts again on reconnecting."""
-        if self._sys_interval is None:
-            return
-        if self._monitor is not None:
-            self._monitor.finish()
+    def _start_monitor(self) -> None:
+        """MLflow's system metrics (CPU, memory, disk, network, GPU; needs psutil), logged to the
+        run by its own thread; stopped by an outage, started again on reconnecting."""
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+            if self._monitor is not None:
+                self._monitor.finish()
             self._monitor = SystemMetricsMonitor(
                 self._run_id,
-                sampling_interval=self._sys_interval,
+                sampling_interval=self._sys,
                 resume_logging=True,
                 tracking_uri=self.tracking_uri,
             )
             self._monitor.start()
-        except Exception as e:  # psutil missing
+        except Exception as e:
             log.info("system metrics off (%s)", e)
