@@ -66,6 +66,19 @@ def read_record(path: Path) -> tuple[dict, list[dict]]:
     return lines[0], lines[1:]
 
 
+def batch(ev: dict) -> dict[str, list]:
+    """log_batch's arguments for a params, tags or metrics event."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    params, tags = ev.get("params", {}).items(), ev.get("tags", {}).items()
+    metrics = [Metric(*m) for m in ev.get("metrics", [])]
+    return {
+        "params": [Param(*p) for p in params],
+        "tags": [RunTag(*t) for t in tags],
+        "metrics": metrics,
+    }
+
+
 class Store:
     """One tracking store: a run for a record, and the sync of a record into its run."""
 
@@ -123,7 +136,6 @@ class Store:
         self,
         path: Path,
         run_id: str | None = None,
-        *,
         upto: float = math.inf,
         data: bool = True,
         final: bool = True,
@@ -131,8 +143,6 @@ class Store:
         """Log into the run what record `path` holds and it lacks; returns the run id. `data`:
         params, tags and the metric points at steps <= `upto` that MLflow's history of their
         key does not have; `final`: the artifacts and the end status."""
-        from mlflow.entities import Metric, Param, RunTag
-
         head, events = read_record(path)
         if run_id is None and (run_id := self.run(head).info.run_id) != head["run_id"]:
             with open(path, "a", encoding="utf-8") as f:  # a second replay finds this run
@@ -142,12 +152,8 @@ class Store:
             rows += [[k, v, now, row["step"]] for k, v in row.items() if type(v) in (int, float)]
         for ev in events:
             if data and ("params" in ev or "tags" in ev):
-                params = [Param(k, v) for k, v in ev.get("params", {}).items()]
                 self.send(
-                    path.parent,
-                    run_id,
-                    params=params,
-                    tags=[RunTag(k, v) for k, v in ev.get("tags", {}).items()],
+                    path.parent, run_id, **batch({k: ev.get(k, {}) for k in ("params", "tags")})
                 )
             rows += ev.get("metrics", []) if data else []
             art = Path(ev.get("artifact", ""))
@@ -161,6 +167,6 @@ class Store:
         rows = [r for r in rows if r[0] != "step" and r[3] <= upto]
         keys = {r[0] for r in rows}
         have = {k: {m.step for m in self.client.get_metric_history(run_id, k)} for k in keys}
-        new = {(k, s): Metric(k, v, t, s) for k, v, t, s in rows if s not in have[k]}
-        self.send(path.parent, run_id, metrics=list(new.values()))  # batched by MLflow
+        new = {(k, s): [k, v, t, s] for k, v, t, s in rows if s not in have[k]}
+        self.send(path.parent, run_id, **batch({"metrics": list(new.values())}))  # MLflow splits it
         return run_id

@@ -21,15 +21,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import wait
 from pathlib import Path
+from threading import Event, RLock, Thread
 from typing import Any
 
-from ssl_vit.tracking.store import Store, read_record, resolve_uri
+from ssl_vit.tracking.store import Store, batch, read_record, resolve_uri
 
 log = logging.getLogger("ssl_vit.tracking")
 MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
@@ -75,38 +75,19 @@ class Tracker:
         elif uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
             uri = f"sqlite:///{Path(uri[10:]).resolve()}"  # a replay from elsewhere finds it
         self._metrics_file = metrics_file and str(Path(metrics_file).resolve())
-        tags = {k: str(v) for k, v in (tags or {}).items()}
-        self.head = dict(
-            tracking_uri=uri,
-            experiment=experiment,
-            run_name=run_name,
-            run_id=run_id,
-            tags=tags,
-            metrics_file=self._metrics_file,
-        )
+        self.head = {"tracking_uri": uri, "experiment": experiment, "run_name": run_name}
+        self.head |= {"run_id": run_id, "tags": {k: str(v) for k, v in (tags or {}).items()}}
+        self.head["metrics_file"] = self._metrics_file
         self.dir = Path(spool_dir or "mlflow-spool").resolve()
         self.path = self.dir / f"{uuid.uuid4().hex[:12]}.jsonl"
-        self._store, self._lock, self._stop = (
-            Store(self.tracking_uri),
-            threading.RLock(),
-            threading.Event(),
-        )
+        self._store, self._lock, self._stop = Store(self.tracking_uri), RLock(), Event()
         self._last: dict[str, int] = {}  # per key, the last step logged, here or in the run
-        self._ops, self._max_step, self._clean, self._online, self._monitor = (
-            [],
-            -1,
-            True,
-            False,
-            None,
-        )
+        self._ops, self._max_step, self._clean, self._online = [], -1, True, False
         self._sys, self._retry_s = system_metrics and system_metrics_interval, retry_interval
+        self._monitor: Any = None
         if not self._connect():
-            log.warning(
-                "MLflow store %s unreachable; the run is kept in %s and sent once it is back",
-                self.tracking_uri,
-                self.path,
-            )
-        self._thread = threading.Thread(target=self._retry, name="ssl-vit-mlflow", daemon=True)
+            log.warning("MLflow store %s unreachable; run kept in %s", self.tracking_uri, self.path)
+        self._thread = Thread(target=self._retry, name="ssl-vit-mlflow", daemon=True)
         self._thread.start()
 
     @property
@@ -122,8 +103,6 @@ class Tracker:
             self._log_batch("tags", {k: str(v) for k, v in tags.items()})
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        from mlflow.entities import Metric
-
         if not self.enabled:
             return
         now, step = int(time.time() * 1000), int(step)
@@ -137,7 +116,7 @@ class Tracker:
                 self._append({"metrics": rows})
             if rows and self._online:
                 ops = self._store.client.log_batch(
-                    self._run_id, [Metric(*r) for r in rows], synchronous=False
+                    self._run_id, **batch({"metrics": rows}), synchronous=False
                 )
                 self._ops += ops._operation_futures  # a concurrent future per batch
                 if len(self._ops) > 256:
@@ -173,12 +152,9 @@ class Tracker:
             except Exception as e:
                 log.warning("MLflow store %s: %s", self.tracking_uri, str(e).splitlines()[0][:300])
         if not self.flushed:
+            cmd = f"python -m ssl_vit.tracking replay {self.dir}"
             log.warning(
-                "MLflow run kept in %s; send it with `python -m ssl_vit.tracking replay "
-                "%s` once %s is reachable",
-                self.path,
-                self.dir,
-                self.tracking_uri,
+                "MLflow run kept in %s; once %s is back: `%s`", self.path, self.tracking_uri, cmd
             )
 
     def __enter__(self) -> Tracker:
@@ -197,24 +173,18 @@ class Tracker:
 
     def _log_batch(self, kind: str, items: dict[str, str]) -> None:
         """Params or tags: recorded, and sent at once (a changed param is refused here)."""
-        from mlflow.entities import Param, RunTag
-
         with self._lock:
             self._append({kind: items})
             if self._online:
-                batch = [(Param if kind == "params" else RunTag)(k, v) for k, v in items.items()]
                 try:
-                    self._store.send(self.dir, self._run_id, **{kind: batch})
+                    self._store.send(self.dir, self._run_id, **batch({kind: items}))
                 except Exception as e:
                     self._offline(e)
 
     def _offline(self, e: BaseException) -> None:
         if self._online:
             log.warning(
-                "MLflow store %s unreachable (%s); retrying every %gs",
-                self.tracking_uri,
-                str(e)[:200],
-                self._retry_s,
+                "MLflow store %s unreachable (%s); retrying", self.tracking_uri, str(e)[:200]
             )
         self._online = self._clean = False
 
@@ -272,12 +242,8 @@ class Tracker:
 
             if self._monitor is not None:
                 self._monitor.finish()
-            self._monitor = SystemMetricsMonitor(
-                self._run_id,
-                sampling_interval=self._sys,
-                resume_logging=True,
-                tracking_uri=self.tracking_uri,
-            )
+            kw = {"resume_logging": True, "tracking_uri": self.tracking_uri}
+            self._monitor = SystemMetricsMonitor(self._run_id, sampling_interval=self._sys, **kw)
             self._monitor.start()
         except Exception as e:
             log.info("system metrics off (%s)", e)
