@@ -86,9 +86,9 @@ def log_to_mlflow(
     nest_under: str | None = None,
 ) -> str | None:
     """Log one eval as an MLflow run through the trainer's `Tracker` (one MLflow path: same
-    default store, param handling, and a spool when the store is down); returns its id, or None
-    if the store could not be reached. `artifacts`: files logged beside the results (plots);
-    `nest_under`: the parent run (default: the pretraining run `parent_run_id`)."""
+    default store, param handling, and a local record sent once a down store is back); returns
+    its id, or None if the store could not be reached. `artifacts`: files logged beside the
+    results (plots); `nest_under`: the parent run (default: the pretraining run)."""
     from ssl_vit.tracking import Tracker
 
     tags = {"ssl_vit.eval": eval_name}

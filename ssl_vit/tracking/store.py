@@ -48,17 +48,17 @@ def open_client(uri: str) -> Any:
         return MlflowClient(uri)
 
 
-def _lines(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+def _lines(path: Path, size: int | None = None) -> list[dict]:
+    out, text = [], path.read_bytes()[:size].decode(errors="replace") if path.is_file() else ""
+    for line in text.splitlines():
         with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash mid-write
             out.append(json.loads(line))
     return out
 
 
-def read_record(path: Path) -> tuple[dict, list[dict]]:
-    """(the run, the events) of a record."""
-    lines = _lines(path)
+def read_record(path: Path, size: int | None = None) -> tuple[dict, list[dict]]:
+    """(the run, the events) of a record, or of its first `size` bytes."""
+    lines = _lines(path, size)
     if not lines or "experiment" not in lines[0]:
         raise ValueError(f"{path}: no run on its first line; not a record of ssl_vit.tracking")
     for ev in lines:  # the id of a run created after the record began
@@ -139,11 +139,13 @@ class Store:
         upto: float = math.inf,
         data: bool = True,
         final: bool = True,
+        size: int | None = None,
     ) -> str:
         """Log into the run what record `path` holds and it lacks; returns the run id. `data`:
         params, tags and the metric points at steps <= `upto` that MLflow's history of their
-        key does not have; `final`: the artifacts and the end status."""
-        head, events = read_record(path)
+        key does not have; `final`: the artifacts and the end status; `size`: the record's
+        first bytes only (the part written before the Tracker went online again)."""
+        head, events = read_record(path, size)
         if run_id is None and (run_id := self.run(head).info.run_id) != head["run_id"]:
             with open(path, "a", encoding="utf-8") as f:  # a second replay finds this run
                 f.write(json.dumps({"run_id": run_id}) + "\n")

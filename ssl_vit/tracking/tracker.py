@@ -218,9 +218,11 @@ class Tracker:
                 self.head["run_id"] = self._run_id = run.info.run_id
                 for m in run.data._metric_objs:  # each key's latest point
                     self._last[m.key] = max(m.step, self._last.get(m.key, -1))
-                self._online, upto = True, self._max_step
-            if self.path.exists():
-                self._store.sync(self.path, self._run_id, upto=upto, final=False)
+                # From here on points are sent live; the sync takes what was logged before.
+                upto, size = self._max_step, self.path.stat().st_size if self.path.exists() else 0
+                self._online = True
+            if size:
+                self._store.sync(self.path, self._run_id, upto=upto, final=False, size=size)
         except Exception as e:
             self._offline(e)
             return False
