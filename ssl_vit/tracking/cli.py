@@ -30,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
         uri = resolve_uri(args.tracking_uri)
         version = register_export(uri, args.name, args.run_id, artifact_path=args.artifact_path)
-        print(f"models:/{args.name}/{version}" if version else "", end="\n" if version else "")
-        return 0 if version else 1
+        if version is None:
+            return 1
+        print(f"models:/{args.name}/{version}")
+        return 0
     if not args.dir.is_dir():
         print(f"error: {args.dir}: no such folder (give the Tracker's spool_dir)", file=sys.stderr)
         return 2
