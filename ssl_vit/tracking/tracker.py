@@ -75,9 +75,13 @@ class Tracker:
         elif uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
             uri = f"sqlite:///{Path(uri[10:]).resolve()}"  # a replay from elsewhere finds it
         self._metrics_file = metrics_file and str(Path(metrics_file).resolve())
-        self.head = {"tracking_uri": uri, "experiment": experiment, "run_name": run_name}
-        self.head |= {"run_id": run_id, "tags": {k: str(v) for k, v in (tags or {}).items()}}
-        self.head["metrics_file"] = self._metrics_file
+        tags = {k: str(v) for k, v in (tags or {}).items()}
+        head = dict(tracking_uri=uri, experiment=experiment, run_name=run_name, run_id=run_id)
+        self.head = {
+            **head,
+            "tags": tags,
+            "metrics_file": self._metrics_file,
+        }  # the record's line 1
         self.dir = Path(spool_dir or "mlflow-spool").resolve()
         self.path = self.dir / f"{uuid.uuid4().hex[:12]}.jsonl"
         self._store, self._lock, self._stop = Store(self.tracking_uri), RLock(), Event()
