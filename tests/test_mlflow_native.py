@@ -22,7 +22,6 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import save_file
 
 from ssl_vit.tracking.artifacts import ArtifactError, resolve_export
-from ssl_vit.tracking.nesting import PARENT_ENV, ParentRuns
 
 
 def _sha(path: Path) -> str:
@@ -43,7 +42,6 @@ def _export(folder: Path, *, wrong_sha: bool = False) -> Path:
 def store(mlflow_db, tmp_path, monkeypatch):
     """A real SQLite store with its artifact folder, and a tmp download cache."""
     monkeypatch.setenv("SSL_VIT_MLFLOW_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(PARENT_ENV, raising=False)
     uri = f"sqlite:///{mlflow_db}"
     client = MlflowClient(uri)
     exp = client.create_experiment("t", artifact_location=str(tmp_path / "artifacts"))
@@ -142,32 +140,6 @@ def test_bad_uri_is_one_line_error(store, tmp_path, case, message):
     assert not cache.exists() or not any(cache.iterdir())  # nothing unverified kept
 
 
-def test_study_parent_runs_nest_children(store, tmp_path, monkeypatch):
-    """A parent per method, reused on rerun; a Tracker and an eval started under it nest."""
-    from ssl_vit.evaluation.report import log_to_mlflow
-    from ssl_vit.tracking import Tracker
-
-    uri, client, _ = store
-    parents = ParentRuns(tmp_path / "parents.json", experiment="study", tracking_uri=uri)
-    pid = parents.run_id("mpp50")
-    again = ParentRuns(tmp_path / "parents.json", experiment="study", tracking_uri=uri)
-    assert again.run_id("mpp50") == pid
-    monkeypatch.setenv(PARENT_ENV, pid)
-    with Tracker(enabled=True, experiment="elsewhere", tracking_uri=uri, system_metrics=False,
-                 spool_dir=tmp_path / "spool") as tracker:  # fmt: skip
-        tracker.log_metrics({"loss": 1.0}, step=1)
-    child = client.get_run(tracker.run_id)
-    eval_id = log_to_mlflow("knn", {"top1": 0.5}, {}, parent_run_id=tracker.run_id,
-                            tracking_uri=uri)  # fmt: skip
-    ev = client.get_run(eval_id)
-    exp_id = client.get_run(pid).info.experiment_id
-    assert child.data.tags["mlflow.parentRunId"] == pid and child.info.experiment_id == exp_id
-    assert ev.data.tags["mlflow.parentRunId"] == pid and ev.info.experiment_id == exp_id
-    assert ev.data.tags["pretrain_run_id"] == tracker.run_id  # lineage kept
-    parents.log_metrics("mpp50", {"knn_top1": 0.5})
-    assert client.get_run(pid).data.metrics["knn_top1"] == 0.5
-
-
 TINY = [
     "model.img_size=16", "model.patch_size=4",
     "model.kwargs={depth: 2, embed_dim: 32, num_heads: 2}",
@@ -180,7 +152,6 @@ NOISE = ("faiss.loader", "CUDA_HOME", "Creating initial MLflow database tables")
 def _py(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     full = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **env}
-    full.pop(PARENT_ENV, None)
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=full, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -259,7 +230,7 @@ def test_start_up_is_quiet_unless_verbose(tiny_shards, tmp_path):
 def test_register_with_the_store_down_is_a_warning(tmp_path, caplog):
     import socket
 
-    from ssl_vit.tracking.registry import register_export
+    from ssl_vit.tracking.artifacts import register_export
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

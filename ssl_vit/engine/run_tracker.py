@@ -4,16 +4,40 @@ export registered as a model version when the config asks."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from pathlib import Path
+from typing import Any
 
 from ssl_vit.config import Config
 from ssl_vit.io import atomic_write_text
-from ssl_vit.tracking import Tracker
-from ssl_vit.tracking.registry import headline_metrics, register_export
-from ssl_vit.tracking.store import PARENT_TAG
+from ssl_vit.tracking import PARENT_TAG, Tracker
+from ssl_vit.tracking.artifacts import register_export
 
 log = logging.getLogger("ssl_vit.train")
+HEADLINE = ("loss", "acc", "top1")  # metric keys holding these words become version tags
+
+
+def headline_metrics(run_dir: Path) -> dict[str, str]:
+    """The run's headline numbers, as a registered version's tags: the last metrics.jsonl row's
+    loss/accuracy keys, the step, and a classifier's final / best top-1 from results.json."""
+    tags: dict[str, str] = {}
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    if lines:
+        last: dict[str, Any] = json.loads(lines[-1])
+        tags["step"] = str(last.get("step"))
+        for k, v in last.items():
+            if any(w in k for w in HEADLINE) and isinstance(v, (int, float)) and math.isfinite(v):
+                tags[k] = f"{v:.6g}"
+    results = run_dir / "results.json"
+    if results.is_file():
+        res = json.loads(results.read_text())
+        for k in ("final_top1", "best_top1", "eval_split"):
+            if res.get(k) is not None:
+                tags[k] = str(res[k]) if isinstance(res[k], str) else f"{res[k]:.6g}"
+    return tags
 
 
 def save_run_id(tracker: Tracker, path: Path) -> None:
@@ -24,12 +48,15 @@ def save_run_id(tracker: Tracker, path: Path) -> None:
 
 def register_run(tracker: Tracker, name: str, run_dir: Path) -> None:
     """`tracking.register_as`: the logged export becomes a version of `name` (rank 0)."""
-    if not tracker.flushed:  # the export is still in the spool: registering would dangle
+    if not tracker.flushed:  # the export is not in the store yet: registering would dangle
         log.warning(
             "not registered as %s: the MLflow store did not take the export; after `python -m "
             "ssl_vit.tracking replay %s`, run `python -m ssl_vit.tracking register %s %s`",
-            name, run_dir / "mlflow_spool", tracker.run_id or "RUN_ID", name,
-        )  # fmt: skip
+            name,
+            run_dir / "mlflow_spool",
+            tracker.run_id or "RUN_ID",
+            name,
+        )
         return
     register_export(tracker.tracking_uri, name, tracker.run_id, tags=headline_metrics(run_dir))
 
@@ -45,6 +72,7 @@ def open_run_tracker(
         run_id=run_id_file.read_text().strip() if run_id_file.is_file() else None,
         tracking_uri=cfg.tracking.uri,
         spool_dir=run_dir / "mlflow_spool",
+        metrics_file=run_dir / "metrics.jsonl",  # the run's metric record: replayed from here
         tags={PARENT_TAG: cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None,
     )
     if rank == 0:

@@ -99,6 +99,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="MLflow URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)",
     )
+    p.add_argument(
+        "--parent-run-id",
+        default=None,
+        help="MLflow run to nest this eval's run under (default: the pretraining run)",
+    )
 
 
 def _layer_arg(value: str) -> int | str:
@@ -247,6 +252,7 @@ def report(
             parent_run_id=parent,
             results_path=args.out,
             tracking_uri=args.tracking_uri,
+            nest_under=getattr(args, "parent_run_id", None),
         )
         results["mlflow_run_id"] = rid
         if rid and args.out:  # keep the JSON complete: it now names its MLflow run

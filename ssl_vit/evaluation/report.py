@@ -3,8 +3,8 @@
 The MLflow run is tagged `pretrain_run_id` with the pretraining run's id (the run an MLflow URI
 resolved to, RUN_DIR/mlflow_run_id, or backbone.json's `mlflow_run_id` when the exporter put it
 there) and, when that run is in the same tracking store, created as its child
-(mlflow.parentRunId), so the UI lists evals under the run they judge; under a study
-($SSL_VIT_PARENT_RUN_ID, see `ssl_vit.tracking.nesting`) it is the child of the method's run.
+(mlflow.parentRunId), so the UI lists evals under the run they judge, unless `nest_under`
+(an eval's --parent-run-id) names another parent run.
 A tracking failure is a warning, never fatal: the numbers are already in the JSON.
 """
 
@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ssl_vit.io import atomic_write_text
-from ssl_vit.tracking.nesting import parent_from_env
-from ssl_vit.tracking.store import PARENT_TAG
+from ssl_vit.tracking import PARENT_TAG
 
 log = logging.getLogger(__name__)
 
@@ -84,26 +83,32 @@ def log_to_mlflow(
     results_path: str | os.PathLike | None = None,
     tracking_uri: str | None = None,
     artifacts: tuple[str | os.PathLike, ...] = (),
+    nest_under: str | None = None,
 ) -> str | None:
     """Log one eval as an MLflow run through the trainer's `Tracker` (one MLflow path: same
-    default store, param handling, and a spool when the store is down); returns its id, or None
-    if the store could not be reached. `artifacts`: files logged beside the results (plots)."""
+    default store, param handling, and a local record sent once a down store is back); returns
+    its id, or None if the store could not be reached. `artifacts`: files logged beside the
+    results (plots); `nest_under`: the parent run (default: the pretraining run)."""
     from ssl_vit.tracking import Tracker
 
     tags = {"ssl_vit.eval": eval_name}
     if parent_run_id:
         tags["pretrain_run_id"] = parent_run_id
-    # Nest under the study's parent run when a study started us, else the pretraining run;
-    # a parent that is not in this store keeps the tag only (no nesting).
-    nest_under = parent_from_env() or parent_run_id
+    # A parent that is not in this store is dropped (a warning): the lineage tag stays.
+    nest_under = nest_under or parent_run_id
     if nest_under:
         tags[PARENT_TAG] = nest_under
     spool = Path(results_path).parent if results_path else Path(".")
     try:
         with Tracker(
-            enabled=True, experiment=EVAL_EXPERIMENT, run_name=eval_name, tags=tags,
-            tracking_uri=tracking_uri, spool_dir=spool / "mlflow_spool", system_metrics=False,
-        ) as tracker:  # fmt: skip
+            enabled=True,
+            experiment=EVAL_EXPERIMENT,
+            run_name=eval_name,
+            tags=tags,
+            tracking_uri=tracking_uri,
+            spool_dir=spool / "mlflow_spool",
+            system_metrics=False,
+        ) as tracker:
             tracker.log_params(params)
             tracker.log_metrics({_metric_key(k): v for k, v in numeric_metrics(metrics).items()}, 0)
             for path in (results_path, *artifacts):

@@ -1,5 +1,3 @@
-"""`python -m ssl_vit.tracking replay SPOOL_DIR [--tracking-uri URI]`; see `cli`."""
-
 import sys
 
 from ssl_vit import startup

@@ -1,23 +1,13 @@
-"""A backbone by its MLflow URI: `runs:/RUN_ID/export`, `models:/NAME/VERSION` or `@ALIAS`.
+"""Exports in MLflow: `resolve_export` turns `runs:/RUN_ID/export`, `models:/NAME/VERSION`,
+`models:/NAME@ALIAS` or `models:/NAME/latest` into a local, verified export folder (a plain path
+comes back as given); `register_export` makes a run's export a registered model version.
 
-    resolved = resolve_export("runs:/0a1b.../export", tracking_uri="http://127.0.0.1:5000")
-    model, meta = load_backbone(resolved.path)      # a local export folder, verified
-    resolved.run_id                                  # the run that logged it (lineage)
-
-The one place every `--backbone`, `model.init_from` and `--check` turns a URI into a local
-export folder; a plain path comes back as it is. The trainer logs RUN/export as the run's
-`export` artifact, so a run seen in the MLflow UI is enough: no access to the run directory.
-
-Artifacts are downloaded once into a cache keyed by their content: the sha256 of the export's
-backbone.json (fetched first, a few hundred bytes), which records every file's sha256; a
-registry version resolves to its run's artifact, so `runs:/` and `models:/` share an entry, and
-a run whose export was replaced gets a new one. $SSL_VIT_MLFLOW_CACHE, else
-~/.cache/ssl-vit/mlflow. A download lands in a temporary
-folder, every file backbone.json lists under `files` is checked against its sha256, every
-`.safetensors` file must parse as safetensors, and only then is the folder renamed into place,
-so the cache never holds a half-written or unverified export. Pickled weights (`.pt`, `.pth`,
-`.bin`, `.pkl`, `.ckpt`) are refused: loading them can run code. Every problem is an
-`ArtifactError` whose one line names the URI and what is missing.
+Downloads are cached under $SSL_VIT_MLFLOW_CACHE (else ~/.cache/ssl-vit/mlflow), keyed by the
+sha256 of the export's backbone.json, fetched first, which lists every file's sha256: `runs:/`
+and `models:/` share an entry, and a run exported again gets a new one. A download is checked
+(each listed sha256; each .safetensors parses) in a temporary folder before it is renamed into
+place, and pickled weights are refused: loading them can run code. Every problem is an
+`ArtifactError` of one line naming the URI.
 """
 
 from __future__ import annotations
@@ -29,20 +19,17 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ssl_vit.io import sha256_file
-from ssl_vit.tracking.store import open_client
+from ssl_vit.tracking.store import open_client, resolve_uri
 
 log = logging.getLogger("ssl_vit.tracking")
-
-__all__ = ["ArtifactError", "ResolvedExport", "cache_root", "is_mlflow_uri", "resolve_export"]
-
-CACHE_ENV = "SSL_VIT_MLFLOW_CACHE"
-SCHEMES = ("runs:/", "models:/")
-PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
-SOURCE_FILE = "source.json"  # beside the downloaded files: where they came from
+PICKLES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 _RUNS = re.compile(r"^runs:/([0-9A-Za-z_-]+)(?:/(.*))?$")
 _MODELS = re.compile(r"^models:/([^/@]+)(?:/([^/]+)|@([^/]+))$")
 
@@ -59,158 +46,103 @@ class ResolvedExport:
     model_version: str | None = None  # "NAME/VERSION" for a registry URI
 
 
-def is_mlflow_uri(source: object) -> bool:
-    return isinstance(source, str) and source.startswith(SCHEMES)
-
-
 def cache_root() -> Path:
-    env = os.environ.get(CACHE_ENV)
+    env = os.environ.get("SSL_VIT_MLFLOW_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "ssl-vit" / "mlflow"
 
 
-def resolve_export(source: str | os.PathLike, *, tracking_uri: str | None = None) -> ResolvedExport:
-    """A local export folder for `source`: a path as given, or an MLflow URI downloaded once."""
-    if not is_mlflow_uri(source):
-        return ResolvedExport(Path(source))
-    uri = str(source)
-    store = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
-    m = _RUNS.match(uri)
-    if m:
-        run_id, path = m.group(1), (m.group(2) or "export").strip("/")
-        return _fetch_run_artifact(uri, store, run_id, path, model_version=None)
-    m = _MODELS.match(uri)
-    if not m:
-        raise ArtifactError(
-            f"{uri}: not an MLflow URI this tool reads; use runs:/RUN_ID/export, "
-            "models:/NAME/VERSION or models:/NAME@ALIAS"
-        )
-    name, version, alias = m.groups()
-    return _fetch_model_version(uri, store, name, version, alias)
-
-
-def client_for(store: str):
-    """An MlflowClient that gives up on a dead server within seconds (not minutes of retries)."""
-    if store.startswith(("http://", "https://")):  # a dead server answers within seconds
+def client_for(store: str) -> Any:
+    """An MlflowClient that gives up on a dead server within seconds, not minutes of retries."""
+    if store.startswith(("http://", "https://")):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     return open_client(store)
 
 
-def _missing(e: Exception) -> bool:
-    code = getattr(e, "error_code", "")
-    return code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
+def resolve_export(source: str | os.PathLike, *, tracking_uri: str | None = None) -> ResolvedExport:
+    """A local export folder for `source`: a path as given, or an MLflow URI downloaded once."""
+    import mlflow
 
-
-def _unreachable(uri: str, store: str, e: Exception) -> ArtifactError:
-    first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-    return ArtifactError(f"{uri}: cannot read from MLflow store {store} ({first})")
-
-
-def _fetch_model_version(
-    uri: str, store: str, name: str, version: str | None, alias: str | None
-) -> ResolvedExport:
+    if not (isinstance(source, str) and source.startswith(("runs:/", "models:/"))):
+        return ResolvedExport(Path(source))
+    uri, store, label = source, resolve_uri(tracking_uri), None
     client = client_for(store)
+    if m := _MODELS.match(uri):
+        mv = _model_version(client, uri, store, *m.groups())
+        label = f"{mv.name}/{mv.version}"
+        with _reading(uri, store):
+            src = client.get_model_version_download_uri(mv.name, str(mv.version))
+        if not (m := _RUNS.match(src or "")):  # a version that is not a run's artifact
+            key = hashlib.sha256(f"source:{src}".encode()).hexdigest()[:32]
+            folder = _download(uri, key, {"artifact_uri": src, "tracking_uri": store})
+            return ResolvedExport(folder, uri, mv.run_id or None, label)
+    elif not (m := _RUNS.match(uri)):
+        raise ArtifactError(
+            f"{uri}: not an MLflow URI this tool reads; use runs:/RUN_ID/export, "
+            "models:/NAME/VERSION or models:/NAME@ALIAS"
+        )
+    run_id, path = m.group(1), (m.group(2) or "export").strip("/")
+    hint = "check the id (and --tracking-uri or tracking.uri)"
+    with _reading(uri, store, missing=f"no run {run_id} in MLflow store {store}; {hint}"):
+        client.get_run(run_id)
+    with _reading(uri, store):
+        if not (listed := client.list_artifacts(run_id, path)):
+            top = sorted(a.path for a in client.list_artifacts(run_id))
+            raise ArtifactError(
+                f"{uri}: run {run_id} has no artifact {path!r} (it has {top}); was the run "
+                "exported, and its record replayed?"
+            )
+        _check_names(uri, {Path(a.path).name for a in listed if not a.is_dir})
+        what = {"run_id": run_id, "artifact_path": path, "tracking_uri": store}
+        with tempfile.TemporaryDirectory() as tmp:  # backbone.json alone first: the cache key
+            meta_uri = {**what, "artifact_path": f"{path}/backbone.json"}
+            meta = Path(mlflow.artifacts.download_artifacts(**meta_uri, dst_path=tmp)).read_bytes()
+    folder = _download(uri, hashlib.sha256(meta).hexdigest()[:32], what, meta)
+    return ResolvedExport(folder, uri, run_id, label)
+
+
+@contextmanager
+def _reading(uri: str, store: str, missing: str | None = None) -> Iterator[None]:
+    """A failure reading the store becomes an ArtifactError: `missing` when the store says the
+    thing does not exist, else that the store could not be read."""
     try:
-        versions = client.search_model_versions(f"name='{name}'")
+        yield
+    except ArtifactError:
+        raise
     except Exception as e:
-        raise _unreachable(uri, store, e) from None
+        code = getattr(e, "error_code", "")
+        if missing and code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            raise ArtifactError(f"{uri}: {missing}") from None
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ArtifactError(f"{uri}: cannot read from MLflow store {store} ({first})") from None
+
+
+def _model_version(client: Any, uri: str, store: str, name: str, version: str, alias: str) -> Any:
+    with _reading(uri, store):
+        versions = client.search_model_versions(f"name='{name}'")
     if not versions:
-        try:
+        hint = "check the name (register one with tracking.register_as)"
+        with _reading(uri, store, missing=f"no registered model {name!r} in {store}; {hint}"):
             client.get_registered_model(name)
-        except Exception as e:
-            if _missing(e):
-                raise ArtifactError(
-                    f"{uri}: no registered model {name!r} in {store}; check the name "
-                    "(register one with tracking.register_as=NAME)"
-                ) from None
-            raise _unreachable(uri, store, e) from None
         raise ArtifactError(
             f"{uri}: registered model {name!r} has no versions in {store}; register one "
             "(tracking.register_as=NAME or `python -m ssl_vit.tracking register`)"
         )
     have = sorted(int(v.version) for v in versions)
     if alias is not None:
-        try:
-            mv = client.get_model_version_by_alias(name, alias)
-        except Exception as e:
-            if _missing(e):
-                raise ArtifactError(
-                    f"{uri}: registered model {name!r} has no alias {alias!r}; versions {have}"
-                ) from None
-            raise _unreachable(uri, store, e) from None
-    elif version == "latest":
-        mv = max(versions, key=lambda v: int(v.version))
-    else:
-        mv = next((v for v in versions if str(v.version) == version), None)
-        if mv is None:
-            raise ArtifactError(
-                f"{uri}: registered model {name!r} has no version {version}; it has {have}"
-            )
-    label = f"{name}/{mv.version}"
-    try:
-        src = client.get_model_version_download_uri(name, str(mv.version))
-    except Exception as e:
-        raise _unreachable(uri, store, e) from None
-    m = _RUNS.match(src or "")
-    if m:  # the usual case (tracking.register_as): the version points at its run's artifact
-        path = (m.group(2) or "export").strip("/")
-        return _fetch_run_artifact(uri, store, m.group(1), path, model_version=label)
-    key = hashlib.sha256(f"source:{src}".encode()).hexdigest()[:32]
-    folder = _download(uri, store, key, dict(artifact_uri=src), mv.run_id, src)
-    return ResolvedExport(folder, uri, mv.run_id or None, label)
+        no_alias = f"registered model {name!r} has no alias {alias!r}; versions {have}"
+        with _reading(uri, store, missing=no_alias):
+            return client.get_model_version_by_alias(name, alias)
+    if version == "latest":
+        return max(versions, key=lambda v: int(v.version))
+    for v in versions:
+        if str(v.version) == version:
+            return v
+    raise ArtifactError(f"{uri}: registered model {name!r} has no version {version}; it has {have}")
 
 
-def _fetch_run_artifact(
-    uri: str, store: str, run_id: str, path: str, model_version: str | None
-) -> ResolvedExport:
-    client = client_for(store)
-    try:
-        client.get_run(run_id)
-    except Exception as e:
-        if _missing(e):
-            raise ArtifactError(
-                f"{uri}: no run {run_id} in MLflow store {store}; check the id "
-                "(and --tracking-uri / tracking.uri)"
-            ) from None
-        raise _unreachable(uri, store, e) from None
-    try:
-        listed = client.list_artifacts(run_id, path)
-    except Exception as e:
-        raise _unreachable(uri, store, e) from None
-    names = {Path(a.path).name for a in listed if not a.is_dir}
-    if not listed:
-        top = sorted(a.path for a in client.list_artifacts(run_id))
-        raise ArtifactError(
-            f"{uri}: run {run_id} has no artifact {path!r} (it has {top}); was the run "
-            "exported, or its spool replayed?"
-        )
-    _check_listing(uri, names)
-    # Keyed by content: backbone.json holds every file's sha256, so a run whose export was
-    # replaced (a resumed run exports again) gets a new entry, never the stale one.
-    meta = _fetch_meta(uri, store, run_id, path)
-    key = hashlib.sha256(meta).hexdigest()[:32]
-    what = dict(run_id=run_id, artifact_path=path)
-    folder = _download(uri, store, key, what, run_id, f"runs:/{run_id}/{path}", meta)
-    return ResolvedExport(folder, uri, run_id, model_version)
-
-
-def _fetch_meta(uri: str, store: str, run_id: str, path: str) -> bytes:
-    """backbone.json alone (small): the cache key, fetched before any weights."""
-    import mlflow
-
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            got = mlflow.artifacts.download_artifacts(
-                run_id=run_id, artifact_path=f"{path}/backbone.json", dst_path=tmp,
-                tracking_uri=store,
-            )  # fmt: skip
-            return Path(got).read_bytes()
-        except Exception as e:
-            raise _unreachable(uri, store, e) from None
-
-
-def _check_listing(uri: str, names: set[str]) -> None:
-    pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+def _check_names(uri: str, names: set[str]) -> None:
+    pickles = sorted(n for n in names if n.endswith(PICKLES))
     if "backbone.safetensors" not in names and pickles:
         raise ArtifactError(
             f"{uri}: holds {pickles[0]} (pickled weights) and no backbone.safetensors; ssl-vit "
@@ -224,41 +156,27 @@ def _check_listing(uri: str, names: set[str]) -> None:
             )
 
 
-def _download(
-    uri: str,
-    store: str,
-    key: str,
-    what: dict,
-    run_id: str | None,
-    resolved: str,
-    meta: bytes | None = None,
-) -> Path:
-    """Download into a temporary folder, verify, rename to cache/key; returns cache/key."""
+def _download(uri: str, key: str, what: dict, meta: bytes | None = None) -> Path:
+    """Download into a temporary folder, check it, rename it to cache/key; returns cache/key."""
     import mlflow
 
     root = cache_root()
     folder = root / key
-    if (folder / "backbone.json").is_file():  # complete and verified: it was renamed in
+    if (folder / "backbone.json").is_file():  # complete and checked: it was renamed in
         log.info("%s: cached in %s", uri, folder)
         return folder
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
     try:
         log.info("%s: downloading to %s", uri, folder)
-        try:
-            got = Path(
-                mlflow.artifacts.download_artifacts(**what, dst_path=str(tmp), tracking_uri=store)
-            )
-        except Exception as e:
-            raise _unreachable(uri, store, e) from None
-        if got.is_file():  # an artifact path naming one file: use its folder
-            got = got.parent
-        _check_listing(uri, {p.name for p in got.iterdir() if p.is_file()})
+        with _reading(uri, what["tracking_uri"]):
+            got = Path(mlflow.artifacts.download_artifacts(**what, dst_path=str(tmp)))
+        got = got.parent if got.is_file() else got
+        _check_names(uri, {p.name for p in got.iterdir() if p.is_file()})
         if meta is not None and (got / "backbone.json").read_bytes() != meta:
             raise ArtifactError(f"{uri}: the export changed while it was downloaded; retry")
         verify_export(got, uri)
-        source = {"uri": uri, "resolved": resolved, "run_id": run_id, "tracking_uri": store}
-        (got / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        (got / "source.json").write_text(json.dumps({"uri": uri, **what}, indent=2) + "\n")
         try:
             os.replace(got, folder)  # atomic; a folder another process put there first stays
         except OSError:
@@ -274,19 +192,15 @@ def verify_export(folder: Path, label: str) -> None:
     from safetensors import safe_open
 
     try:
-        meta = json.loads((folder / "backbone.json").read_text(encoding="utf-8"))
+        files = json.loads((folder / "backbone.json").read_text(encoding="utf-8")).get("files")
     except (OSError, json.JSONDecodeError) as e:
         raise ArtifactError(f"{label}: backbone.json is not readable JSON ({e})") from None
-    files = meta.get("files")
     if not isinstance(files, dict) or not files:
         log.warning("%s: backbone.json records no sha256 (an older export); not verified", label)
-        files = {}
-    for name, want in files.items():
-        path = folder / name
-        if not path.is_file():
+    for name, want in (files or {}).items():
+        if not (folder / name).is_file():
             raise ArtifactError(f"{label}: {name} is listed in backbone.json but missing")
-        got = sha256_file(path)
-        if got != want:
+        if (got := sha256_file(folder / name)) != want:
             raise ArtifactError(
                 f"{label}: {name} has sha256 {got[:16]}..., backbone.json says {want[:16]}...; "
                 "the download is corrupt or the export was changed after it was written"
@@ -297,6 +211,46 @@ def verify_export(folder: Path, label: str) -> None:
                 f.keys()
         except Exception as e:
             raise ArtifactError(
-                f"{label}: {path.name} is not a safetensors file ({type(e).__name__}); "
-                "ssl-vit loads safetensors only"
+                f"{label}: {path.name} is not a safetensors file "
+                f"({type(e).__name__}); ssl-vit loads safetensors only"
             ) from None
+
+
+def register_export(
+    tracking_uri: str,
+    name: str,
+    run_id: str,
+    *,
+    artifact_path: str = "export",
+    tags: dict[str, str] | None = None,
+) -> str | None:
+    """A new version of registered model `name` (created if new) from the run's export artifact,
+    so `models:/NAME/VERSION` resolves to the same files; its number, or None with a warning
+    naming the command that registers it later (server down, no registry)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client = client_for(tracking_uri)
+        try:
+            client.create_registered_model(name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        if not client.list_artifacts(run_id, artifact_path):
+            raise ValueError(f"run {run_id} has no {artifact_path!r} artifact yet")
+        source = f"runs:/{run_id}/{artifact_path}"
+        version = client.create_model_version(name, source, run_id=run_id, tags=tags or {}).version
+        client.set_tag(run_id, "ssl_vit.registered_as", f"models:/{name}/{version}")
+    except Exception as e:
+        log.warning(
+            "not registered as %s (%s); the export is kept: once the store is back, run "
+            "`python -m ssl_vit.tracking register %s %s --tracking-uri %s`",
+            name,
+            (str(e).splitlines() or [type(e).__name__])[0][:200],
+            run_id,
+            name,
+            tracking_uri,
+        )
+        return None
+    log.info("registered %s as models:/%s/%s", source, name, version)
+    return str(version)

@@ -1,25 +1,31 @@
-"""The MLflow side of tracking: find or create the run, send events, tell outage from rejection.
+"""The MLflow side of tracking: a client per store, and `Store.sync`, which logs into a run what a
+Tracker's local record holds and the run lacks.
 
-`Store.send` dedupes metrics per key by step against what the run already holds;
-`send_or_raise` turns an outage into `Unreachable` (spool and retry) and a rejection
-(retrying cannot help) into a line in the spool's `rejected.jsonl`.
+A record is a JSONL file: first the run (store, experiment, name, id, tags, and the metrics file,
+e.g. RUN/metrics.jsonl with a `{"step": S, "key": value, ...}` line per logged step, that holds
+its metric points), then `params`, `tags`, `artifact`, `end`, `run_id` and, without a metrics
+file, `metrics` events, one a line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import json
 import logging
+import math
 import os
 import tempfile
-from collections.abc import Callable
+import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("ssl_vit.tracking")
-MAX_METRICS = 1000  # per log_batch
 DEFAULT_URI = "sqlite:///mlflow.db"
 PARENT_TAG = "mlflow.parentRunId"
+# Error codes of a request the store refuses (a changed param value): retrying cannot help.
+REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE", "BAD_REQUEST"}
 
 
 def resolve_uri(uri: str | None) -> str:
@@ -27,56 +33,57 @@ def resolve_uri(uri: str | None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
-def sqlite_path(uri: str) -> Path | None:
-    """The database file of a `sqlite:///` store (relative to the working directory), else None."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    return Path(uri.removeprefix("sqlite:///")).expanduser().resolve()
-
-
 def open_client(uri: str) -> Any:
-    """An MlflowClient on `uri`. A SQLite store is opened under an exclusive lock (a file in the
-    temporary directory, named by the database's path): creating the client creates and
-    migrates a new database, and processes doing that at once race on its tables; measured
-    with 4 processes on one fresh file, 3 failed ("table ... already exists", "duplicate column
-    name") and one left a half-migrated schema. The lock file is not the database itself:
-    closing any descriptor of a SQLite file drops that process's SQLite locks on it."""
+    """An MlflowClient on `uri`. The first client of a new SQLite store creates its tables, and
+    processes doing that at once fail ("table ... already exists"), so a SQLite client is made
+    under an exclusive lock named by the database's path: a separate file, since closing any
+    descriptor of a SQLite file drops the process's SQLite locks on it."""
     from mlflow.tracking import MlflowClient
 
-    path = sqlite_path(uri)
-    if path is None:
+    if not uri.startswith("sqlite:///"):
         return MlflowClient(uri)
-    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    lock = Path(tempfile.gettempdir()) / f"ssl-vit-mlflow-{digest}.lock"
-    with open(lock, "a") as f:
+    digest = hashlib.sha256(str(Path(uri[10:]).resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"ssl-vit-mlflow-{digest}.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes
         return MlflowClient(uri)
 
 
-def parent_experiment(client: Any, parent: str) -> str | None:
-    """The parent run's experiment id, or None (with a warning) when the store lacks it."""
-    try:
-        return client.get_run(parent).info.experiment_id
-    except Exception as e:
-        log.warning("parent run %s not found (%s); not nesting", parent, str(e)[:200])
-        return None
+def _lines(path: Path, size: int | None = None) -> list[dict]:
+    out, text = [], path.read_bytes()[:size].decode(errors="replace") if path.is_file() else ""
+    for line in text.splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut by a crash mid-write
+            out.append(json.loads(line))
+    return out
 
 
-MAX_PARAMS = 100  # per log_batch
+def read_record(path: Path, size: int | None = None) -> tuple[dict, list[dict]]:
+    """(the run, the events) of a record, or of its first `size` bytes."""
+    lines = _lines(path, size)
+    if not lines or "experiment" not in lines[0]:
+        raise ValueError(f"{path}: no run on its first line; not a record of ssl_vit.tracking")
+    for ev in lines:  # the id of a run created after the record began
+        lines[0]["run_id"] = ev.get("run_id", lines[0]["run_id"])
+    return lines[0], lines[1:]
 
 
-class Unreachable(Exception):
-    pass
+def batch(ev: dict) -> dict[str, list]:
+    """log_batch's arguments for a params, tags or metrics event."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    params, tags = ev.get("params", {}).items(), ev.get("tags", {}).items()
+    metrics = [Metric(*m) for m in ev.get("metrics", [])]
+    return {
+        "params": [Param(*p) for p in params],
+        "tags": [RunTag(*t) for t in tags],
+        "metrics": metrics,
+    }
 
 
 class Store:
-    """The MLflow side: find or create the run, send events with per-key step dedupe."""
+    """One tracking store: a run for a record, and the sync of a record into its run."""
 
     def __init__(self, uri: str) -> None:
-        self.uri = uri
-        self.client = open_client(uri)
-        self.last: dict[str, int] = {}
-        self.start_time: float | None = None
+        self.uri, self.client = uri, open_client(uri)
 
     def reachable(self) -> bool:
         try:
@@ -85,88 +92,83 @@ class Store:
         except Exception:
             return False
 
-    def connect(self, header: dict) -> str:
-        """Get (or create) the run; read the last stored step per metric key."""
+    def run(self, head: dict) -> Any:
+        """The record's run, set RUNNING; created when the record has none, in its parent's
+        experiment (where the MLflow UI shows it nested) when it has a parent."""
         from mlflow.exceptions import MlflowException
 
-        run = None
-        if header.get("run_id"):
+        if head.get("run_id"):
             try:
-                run = self.client.get_run(header["run_id"])
+                run = self.client.get_run(head["run_id"])
+                if run.info.status != "RUNNING":
+                    self.client.update_run(run.info.run_id, "RUNNING")
+                return run
             except MlflowException as e:
-                if not self.reachable():
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
-                log.warning(
-                    "run %s not in %s (%s); starting a new run", header["run_id"], self.uri, e
+                log.warning("run %s is not in %s; starting a new run", head["run_id"], self.uri)
+        tags, exp = dict(head["tags"]), None
+        with contextlib.suppress(MlflowException):
+            exp = tags.get(PARENT_TAG) and self.client.get_run(tags[PARENT_TAG]).info.experiment_id
+        if tags.get(PARENT_TAG) and not exp:
+            log.warning("parent run %s is not in %s; not nested", tags.pop(PARENT_TAG), self.uri)
+        if not exp:
+            exp = self.client.get_experiment_by_name(head["experiment"])
+            exp = exp.experiment_id if exp else self.client.create_experiment(head["experiment"])
+        return self.client.create_run(exp, run_name=head.get("run_name"), tags=tags)
+
+    def send(self, folder: Path, run_id: str, **batch: list) -> None:
+        """log_batch; a batch the store refuses goes to folder/rejected.jsonl, not raised."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.log_batch(run_id, **batch)
+        except MlflowException as e:
+            if e.error_code not in REFUSED:
+                raise
+            log.warning("MLflow refused %s (%s); kept in %s", list(batch), str(e)[:300], folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "rejected.jsonl", "a", encoding="utf-8") as f:
+                sent = {k: [str(x) for x in v] for k, v in batch.items()}
+                f.write(json.dumps({**sent, "error": str(e)[:500]}) + "\n")
+
+    def sync(
+        self,
+        path: Path,
+        run_id: str | None = None,
+        upto: float = math.inf,
+        data: bool = True,
+        final: bool = True,
+        size: int | None = None,
+    ) -> str:
+        """Log into the run what record `path` holds and it lacks; returns the run id. `data`:
+        params, tags and the metric points at steps <= `upto` that MLflow's history of their
+        key does not have; `final`: the artifacts and the end status; `size`: the record's
+        first bytes only (the part written before the Tracker went online again)."""
+        head, events = read_record(path, size)
+        if run_id is None and (run_id := self.run(head).info.run_id) != head["run_id"]:
+            with open(path, "a", encoding="utf-8") as f:  # a second replay finds this run
+                f.write(json.dumps({"run_id": run_id}) + "\n")
+        now, rows = int(time.time() * 1000), []
+        for row in _lines(Path(head["metrics_file"])) if data and head["metrics_file"] else []:
+            rows += [[k, v, now, row["step"]] for k, v in row.items() if type(v) in (int, float)]
+        for ev in events:
+            if data and ("params" in ev or "tags" in ev):
+                self.send(
+                    path.parent, run_id, **batch({k: ev.get(k, {}) for k in ("params", "tags")})
                 )
-        if run is None:
-            tags = dict(header.get("tags") or {})
-            exp_id = None
-            if tags.get(PARENT_TAG):  # a child lives in its parent's experiment (UI nesting)
-                exp_id = parent_experiment(self.client, tags[PARENT_TAG])
-                if exp_id is None:
-                    tags.pop(PARENT_TAG)
-            if exp_id is None:
-                name = header["experiment"]
-                exp = self.client.get_experiment_by_name(name)
-                exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
-            run = self.client.create_run(exp_id, run_name=header.get("run_name"), tags=tags)
-        elif run.info.status != "RUNNING":
-            self.client.update_run(run.info.run_id, status="RUNNING")
-        self.last = {m.key: m.step for m in run.data._metric_objs}  # latest step per key
-        self.start_time = run.info.start_time / 1000
-        return run.info.run_id
-
-    def send(self, run_id: str, ev: dict) -> None:
-        from mlflow.entities import Metric, Param, RunTag
-
-        kind = ev["type"]
-        if kind == "metrics":
-            fresh = [m for m in ev["metrics"] if m[3] > self.last.get(m[0], -(2**62))]
-            for i in range(0, len(fresh), MAX_METRICS):
-                chunk = fresh[i : i + MAX_METRICS]
-                self.client.log_batch(run_id, metrics=[Metric(*m) for m in chunk])
-                for key, _, _, step in chunk:
-                    self.last[key] = max(step, self.last.get(key, step))
-        elif kind in ("params", "tags"):
-            items = list(ev["items"].items())
-            for i in range(0, len(items), MAX_PARAMS):
-                chunk = items[i : i + MAX_PARAMS]
-                if kind == "params":
-                    self.client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
-                else:
-                    self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in chunk])
-        elif kind == "artifact":
-            path = Path(ev["path"])
-            if path.is_dir():
-                self.client.log_artifacts(run_id, str(path), ev.get("artifact_path"))
-            elif path.is_file():
-                self.client.log_artifact(run_id, str(path), ev.get("artifact_path"))
-            else:
-                log.warning("artifact %s no longer exists; not logged", path)
-        elif kind == "end":
-            self.client.set_terminated(run_id, ev["status"], end_time=ev.get("time"))
-
-
-# Error codes meaning "the store refuses this event" (retrying cannot help). Anything else
-# (connection refused, timeout, 5xx, a locked SQLite file) counts as an outage: spool and retry.
-_REJECTED = {
-    "INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS",
-    "INVALID_STATE", "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED",
-}  # fmt: skip
-
-
-def send_or_raise(
-    store: Store, run_id: str, ev: dict, reject: Callable[[dict, Exception], None]
-) -> None:
-    """Send; an outage raises Unreachable, a rejection goes to `reject` (the spool's
-    rejected.jsonl)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        store.send(run_id, ev)
-    except Exception as e:
-        if isinstance(e, MlflowException) and e.error_code in _REJECTED and store.reachable():
-            reject(ev, e)
-        else:
-            raise Unreachable(f"{type(e).__name__}: {str(e)[:300]}") from None
+            rows += ev.get("metrics", []) if data else []
+            art = Path(ev.get("artifact", ""))
+            if final and "artifact" in ev and art.exists():
+                log_art = self.client.log_artifacts if art.is_dir() else self.client.log_artifact
+                log_art(run_id, str(art), ev.get("artifact_path"))
+            elif final and "artifact" in ev:
+                log.warning("artifact %s no longer exists; not logged", art)
+            if final and "end" in ev:
+                self.client.set_terminated(run_id, ev["end"], end_time=ev["time"])
+        rows = [r for r in rows if r[0] != "step" and r[3] <= upto]
+        keys = {r[0] for r in rows}
+        have = {k: {m.step for m in self.client.get_metric_history(run_id, k)} for k in keys}
+        new = {(k, s): [k, v, t, s] for k, v, t, s in rows if s not in have[k]}
+        self.send(path.parent, run_id, **batch({"metrics": list(new.values())}))  # MLflow splits it
+        return run_id
