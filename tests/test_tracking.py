@@ -184,3 +184,30 @@ def test_processes_creating_one_sqlite_store_at_once_all_get_it(tmp_path: Path) 
     client = MlflowClient(uri)
     experiments = [e.experiment_id for e in client.search_experiments() if e.name != "Default"]
     assert len(client.search_runs(experiments)) == 3
+
+
+def test_a_runs_metrics_file_and_its_other_points_both_replay(
+    tmp_path: Path, mlflow_template: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the store down for the whole run, the training rows come back from the run's
+    metrics file and the points logged beside them (evaluations) from the record."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    db = tmp_path / "server.db"
+    shutil.copy(mlflow_template, db)
+    down = MlflowServer(tmp_path, db)  # never started: its port refuses connections
+    spool, rows = tmp_path / "spool", tmp_path / "metrics.jsonl"
+    tracker = Tracker(
+        enabled=True, experiment="down", tracking_uri=down.uri, spool_dir=spool,
+        metrics_file=rows, system_metrics=False, retry_interval=60,
+    )  # fmt: skip
+    for step in (10, 20):
+        tracker.log_metrics({"train/loss": 1.0 / step}, step=step, in_file=True)
+        rows.open("a").write(f'{{"step": {step}, "train/loss": {1.0 / step}}}\n')
+    tracker.log_metrics({"eval/holdout_top1": 0.5}, step=20)  # not in the file
+    tracker.close("FINISHED", timeout=5)
+    assert main(["replay", str(spool), "--tracking-uri", f"sqlite:///{db}"]) == 0
+    store = MlflowClient(f"sqlite:///{db}")
+    (run,) = store.search_runs([store.get_experiment_by_name("down").experiment_id])
+    assert _steps(store, run.info.run_id, "train/loss") == [10, 20]
+    assert _steps(store, run.info.run_id, "eval/holdout_top1") == [20]

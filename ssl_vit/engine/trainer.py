@@ -345,7 +345,7 @@ def train(cfg: Config, header: str = "") -> Path:
                 )
                 if rank == 0:
                     save_run_id(tracker, run.run_dir / "mlflow_run_id")
-                    tracker.log_metrics(row, step=count.step)
+                    tracker.log_metrics(row, step=count.step, in_file=True)
                     with open(run.metrics_file, "a") as f:
                         f.write(json.dumps({"step": count.step, **row}) + "\n")
             progress.update(count.step, row)

@@ -8,12 +8,13 @@ by an unreachable store.
     tracker.log_artifact("run/config.yaml")       # uploaded at close
     tracker.close("FINISHED")                     # or a context manager: FAILED / KILLED
 
-Each call is appended to a local record in `spool_dir` (see `store`) except metric points when
-`metrics_file`, written by the caller, holds them; and it is sent when the store is reachable.
-When it is not, or a send fails, a thread retries every `retry_interval` seconds and then logs
-from the record what the run lacks (resuming the run, or creating it). The record is deleted at
-close once the run has everything; one left behind is sent by `python -m ssl_vit.tracking replay
-SPOOL_DIR`, or by the next Tracker of the same run (a resumed job) when it connects.
+Each call is appended to a local record in `spool_dir` (see `store`) except metric points that
+`metrics_file`, written by the caller, holds (`log_metrics(..., in_file=True)`); and it is
+sent when the store is reachable. When it is not, or a send fails, a thread retries every
+`retry_interval` seconds and then logs from the record what the run lacks (resuming the run, or
+creating it). The record is deleted at close once the run has everything; one left behind is
+sent by `python -m ssl_vit.tracking replay SPOOL_DIR`, or by the next Tracker of the same run (a
+resumed job) when it connects.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class Tracker:
         if self.enabled:
             self._log_batch("tags", {k: str(v) for k, v in tags.items()})
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, in_file: bool = False) -> None:
+        """Send the points (asynchronously); `in_file`: the caller's metrics file holds them,
+        else they go into the record too (evaluations, the compile trial)."""
         if not self.enabled:
             return
         now, step = int(time.time() * 1000), int(step)
@@ -116,7 +119,7 @@ class Tracker:
             ]
             self._last.update((k, step) for k, *_ in rows)
             self._max_step = max(self._max_step, step)
-            if rows and not self._metrics_file:
+            if rows and not (self._metrics_file and in_file):
                 self._append({"metrics": rows})
             if rows and self._online:
                 ops = self._store.client.log_batch(
