@@ -610,19 +610,16 @@ def scratch_budget(fraction: float) -> list[str]:
     return [f"train.epochs={epochs}", share, every]
 
 
+def scratch_argv(fraction: float, run: Path, seed: int) -> list[str]:
+    """From scratch's command on a share of the labels, less its lr and augmentation."""
+    budget = scratch_budget(fraction)
+    return [SUPERVISED_PY, "--config", SUP, f"run.dir={run}", *COMMON, *budget, f"run.seed={seed}"]
+
+
 def scratch_lr_step(fraction: float, lr: str) -> Step:
     """Seed 0 of from scratch on a share of the labels at one lr of SCRATCH_LRS."""
     run = scratch_sweep_dir(fraction) / f"lr={lr}"
-    argv = [
-        SUPERVISED_PY,
-        "--config",
-        SUP,
-        f"run.dir={run}",
-        *COMMON,
-        *scratch_budget(fraction),
-        f"run.seed={SEEDS[0]}",
-        f"optim.lr={lr}",
-    ]
+    argv = [*scratch_argv(fraction, run, SEEDS[0]), f"optim.lr={lr}"]
     name = f"scratch_sweep/{share_tag(fraction)}/lr={lr}"
     return Step(name, lambda: [*argv, *chosen_augmentation()], run / "results.json", run_dir=run)
 
@@ -639,15 +636,7 @@ def chosen_scratch_lr(fraction: float) -> str:
 def scratch_lr_seed(fraction: float, seed: int) -> Step:
     """From scratch on a share of the labels, seed `seed`, at the lr seed 0's runs chose."""
     run = scratch_sweep_dir(fraction) / f"chosen_s{seed}"
-    argv = [
-        SUPERVISED_PY,
-        "--config",
-        SUP,
-        f"run.dir={run}",
-        *COMMON,
-        *scratch_budget(fraction),
-        f"run.seed={seed}",
-    ]
+    argv = scratch_argv(fraction, run, seed)
     name = f"scratch_sweep/{share_tag(fraction)}/chosen_s{seed}"
     return Step(
         name,
