@@ -23,8 +23,8 @@ from ssl_vit import startup
 from ssl_vit.data.manifest import check_shards_exist, load_manifest
 from ssl_vit.evaluation.cli import add_verbose_arg, run_main
 from ssl_vit.evaluation.report import pretrain_run_id
+from ssl_vit.models.registry import resolve_export
 from ssl_vit.tracking import Tracker
-from ssl_vit.tracking.artifacts import resolve_export
 
 if TYPE_CHECKING:  # torch, timm and matplotlib load after the arguments parse
     import torch

@@ -12,8 +12,8 @@ from typing import Any
 
 from ssl_vit.config import Config
 from ssl_vit.io import atomic_write_text
+from ssl_vit.models.registry import register_export
 from ssl_vit.tracking import PARENT_TAG, Tracker
-from ssl_vit.tracking.artifacts import register_export
 
 log = logging.getLogger("ssl_vit.train")
 HEADLINE = ("loss", "acc", "top1")  # metric keys holding these words become version tags

@@ -1,6 +1,7 @@
-"""Exports in MLflow: `resolve_export` turns `runs:/RUN_ID/export`, `models:/NAME/VERSION`,
-`models:/NAME@ALIAS` or `models:/NAME/latest` into a local, verified export folder (a plain path
-comes back as given); `register_export` makes a run's export a registered model version.
+"""Backbones in MLflow, the model registry and run artifacts: `resolve_export` turns
+`runs:/RUN_ID/export`, `models:/NAME/VERSION`, `models:/NAME@ALIAS` or `models:/NAME/latest`
+into a local, verified export folder (a plain path comes back as given); `register_export`
+makes a run's export a registered model version.
 
 Downloads are cached under $SSL_VIT_MLFLOW_CACHE (else ~/.cache/ssl-vit/mlflow), keyed by the
 sha256 of the export's backbone.json, fetched first, which lists every file's sha256: `runs:/`
