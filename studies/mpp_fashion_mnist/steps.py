@@ -648,14 +648,19 @@ def scratch_lr_seed(fraction: float, seed: int) -> Step:
 
 def next_runs() -> list[Step]:
     """Issue 38's runs: from scratch's own lr per share (seed 0 chooses on held-out, seeds 1-2
-    reuse), then MPP pretraining seeds 1 and 2, each fine-tuned once at the lr the main sweep
-    chose (fine-tuning seed = pretraining seed)."""
+    reuse), then MPP pretraining seeds 1 and 2, each fine-tuned once on all the labels and once
+    on each share, at the lr seed 0's sweep chose there (fine-tuning seed = pretraining seed)."""
     steps = [scratch_lr_step(f, lr) for f in SCRATCH_SHARES for lr in SCRATCH_LRS]
     steps += [scratch_lr_seed(f, seed) for f in SCRATCH_SHARES for seed in SEEDS[1:]]
     for seed in PRETRAIN_SEEDS:
         name = f"mpp_seed{seed}"
         steps.append(pretrain(name, MPP, PRETRAIN_PY, f"run.seed={seed}"))
         steps.append(finetune(name, seed, FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}"))
+        for fraction in FEW_LABELS:  # the label-share rows get the pretraining's variance too
+            ft_epochs, _, ft_args, _ = few_label_budget(fraction)
+            lr_from, _ = few_label_arms(fraction, SEEDS[0])  # seed 0's sweep on the share
+            ft = f"ft_{name}_{share_tag(fraction)}_s{seed}"
+            steps.append(finetune(name, seed, ft_epochs, lr_from, *ft_args, name=ft))
     return steps
 
 
