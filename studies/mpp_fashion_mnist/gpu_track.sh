@@ -17,7 +17,7 @@
 # What comes back under $OUT: the study's results of the track, logs and metric lines, and the
 # MPP run's exports (the frozen evaluations of the study read them on any machine).
 set -u
-OUT=${OUT:-/tmp/device_study}
+OUT=${OUT:-/tmp/gpu_track}
 BUDGET=${BUDGET:-540}
 FMNIST=${FMNIST:-.fmnist}
 WHEELS=${WHEELS:-.whl}
