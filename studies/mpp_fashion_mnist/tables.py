@@ -148,12 +148,14 @@ def label_scarce(r: Results, a: dict[str, list[str]]) -> list[str]:
         "evaluations. MPP minus from scratch: the difference of the means in points, its 95% "
         "confidence interval and the two-sided p of Welch's t-test (Welch-Satterthwaite degrees "
         "of freedom). Where MPP's seeds read different pretrainings, each gets its own row "
-        "against the same from-scratch seeds.",
+        "against the same from-scratch seeds. Compute: image passes (every one 16 tokens of the "
+        "same model), MPP's pretraining plus fine-tuning against from scratch, from the runs' "
+        "own step counts.",
         "",
-        "| labels | epochs: fine-tuning; from scratch | MPP started from | MPP, fine-tuned | "
-        "from scratch | MPP minus from scratch [95% CI], Welch p | MPP's lr (chosen on "
-        "held-out) | code; machine |",
-        "|---|---|---|---|---|---|---|---|",
+        "| labels | epochs: fine-tuning; from scratch | image passes: MPP; from scratch | "
+        "MPP started from | MPP, fine-tuned | from scratch | MPP minus from scratch [95% CI], "
+        "Welch p | MPP's lr (chosen on held-out) | code; machine |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     budgets = [
         (
@@ -171,6 +173,7 @@ def label_scarce(r: Results, a: dict[str, list[str]]) -> list[str]:
         for st, group in by_start(r, ft):
             a_ = scores(r, group)
             cells = [
+                image_passes(r, ["mpp", group[0]], base[0]),
                 st.text() if st else "-",
                 mean_std_text(a_),
                 mean_std_text(b),
@@ -180,6 +183,21 @@ def label_scarce(r: Results, a: dict[str, list[str]]) -> list[str]:
             ]
             lines.append(f"| {label} | {epochs} | {' | '.join(cells)} |")
     return lines + rebuilt_note(r, [s for _, _, ft, _ in budgets for s in ft])
+
+
+def image_passes(r: Results, method: list[str], scratch: str) -> str:
+    """Images trained on by the steps of `method` (pretraining, fine-tuning) and by `scratch`,
+    from each run's last metric line, and how far from equal they are."""
+
+    def seen(step: str) -> float | None:
+        lines = r.metric_lines(step)
+        return lines[-1].get("train/samples_seen") if lines else None
+
+    ours, theirs = [seen(s) for s in method], seen(scratch)
+    if None in ours or theirs is None:
+        return "-"
+    total = sum(ours)
+    return f"{total / 1e3:.0f}k; {theirs / 1e3:.0f}k (MPP {total / theirs - 1:+.0%})"
 
 
 def label_welch(r: Results, a: dict[str, list[str]]) -> list[tuple]:
