@@ -376,7 +376,7 @@ def test_report_splits_pretrainings_and_tests_the_gap(tmp_path):
     text = out.read_text()
     w = stats.welch([0.90, 0.92, 0.94], [0.85, 0.87, 0.89])
     assert f"+5.00 [{100 * w.low:+.2f}, {100 * w.high:+.2f}], p={w.p:.2g}" in text
-    assert "| 10% of the labels | 6 + 20; 80 | mpp (weights not recorded) | 85.00 (n=1) |" in text
+    assert "| 10% of the labels | 6 + 20; 80 | - | mpp (weights not recorded) | 85.00 (n=1) |" in text
     assert "| mpp (rebuilt) (run rrrrrrrr; weights not recorded) | 85.00 ± 1.41 (n=2) |" in text
     assert "+3.00 (one seed: no CI)" in text
     assert len(re.findall(r"sha256 abababababab", text)) == 1
