@@ -376,7 +376,7 @@ def test_report_splits_pretrainings_and_tests_the_gap(tmp_path):
     text = out.read_text()
     w = stats.welch([0.90, 0.92, 0.94], [0.85, 0.87, 0.89])
     assert f"+5.00 [{100 * w.low:+.2f}, {100 * w.high:+.2f}], p={w.p:.2g}" in text
-    assert "| 10% of the labels | 6 + 20; 80 | - | mpp (weights not recorded) | 85.00 (n=1) |" in text
+    assert "| 6 + 20; 80 | - | mpp (weights not recorded) | 85.00 (n=1) |" in text
     assert "| mpp (rebuilt) (run rrrrrrrr; weights not recorded) | 85.00 ± 1.41 (n=2) |" in text
     assert "+3.00 (one seed: no CI)" in text
     assert len(re.findall(r"sha256 abababababab", text)) == 1
@@ -405,3 +405,13 @@ def test_a_result_records_the_weights_it_started_from(tmp_path, monkeypatch):
 
     sha = "sha256:" + hashlib.sha256(b"weights").hexdigest()
     assert got == {"path": "runs/study/pre", "sha256": sha, "mlflow_run_id": "prerun"}
+
+
+def test_image_passes_sum_the_methods_steps_against_from_scratch(tmp_path):
+    for step, seen in (("mpp", 350_000), ("ft_a", 117_000), ("scratch_a", 422_000)):
+        lines = [{"step": 1, "train/samples_seen": 1000}, {"step": 9, "train/samples_seen": seen}]
+        text = "".join(json.dumps(x) + "\n" for x in lines)
+        (tmp_path / f"{step}.metrics.jsonl").write_text(text)
+    r = Results(tmp_path)
+    assert tables.image_passes(r, ["mpp", "ft_a"], "scratch_a") == "467k; 422k (MPP +11%)"
+    assert tables.image_passes(r, ["mpp", "ft_missing"], "scratch_a") == "-"
