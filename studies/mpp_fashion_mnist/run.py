@@ -31,6 +31,7 @@ from pathlib import Path
 from ssl_vit.config import load_config, training_settings
 from ssl_vit.io import atomic_write_text, sha256_file
 from ssl_vit.perf import describe_machine
+from studies.mpp_fashion_mnist.steps import RESULTS
 
 log = logging.getLogger("study")
 
@@ -170,9 +171,10 @@ def start_of(argv: list[str]) -> str | None:
     return None
 
 
-def started_from(argv: list[str], root: Path) -> dict | None:
+def started_from(argv: list[str], root: Path, needs: tuple[str, ...] = ()) -> dict | None:
     """What `start_of` names, as found on this machine: the sha256 of its weights file (the
-    evaluators' backbone_id) and the MLflow run of the pretraining that wrote it."""
+    evaluators' backbone_id), the MLflow run of the pretraining that wrote it and the result id
+    of that pretraining's step (the first of `needs`, when its result is recorded)."""
     src = start_of(argv)
     if src is None:
         return None
@@ -189,7 +191,9 @@ def started_from(argv: list[str], root: Path) -> dict | None:
     if weights is not None and (weights.parent.parent / "mlflow_run_id").is_file():
         rid = (weights.parent.parent / "mlflow_run_id").read_text().strip() or None
     sha = "sha256:" + sha256_file(weights) if weights is not None else None
-    return {"path": src, "sha256": sha, "mlflow_run_id": rid}
+    made = root / RESULTS / f"{needs[0]}.json" if needs else None
+    result_id = json.loads(made.read_text()).get("result_id") if made and made.is_file() else None
+    return {"path": src, "sha256": sha, "mlflow_run_id": rid, "result_id": result_id}
 
 
 def _metric_lines(run_dir: Path, output: dict) -> Path | None:
@@ -350,7 +354,7 @@ def record(
         "git_commit": _git_commit(root),
         "machine": describe_machine(),
         "mlflow_run_id": run_id,
-        "started_from": started_from(argv, root),
+        "started_from": started_from(argv, root, step.needs),
         "result": output,
     }
     dest = root / step.result

@@ -404,7 +404,11 @@ def test_a_result_records_the_weights_it_started_from(tmp_path, monkeypatch):
     import hashlib
 
     sha = "sha256:" + hashlib.sha256(b"weights").hexdigest()
-    assert got == {"path": "runs/study/pre", "sha256": sha, "mlflow_run_id": "prerun"}
+    want = {"path": "runs/study/pre", "sha256": sha, "mlflow_run_id": "prerun", "result_id": None}
+    assert got == want
+    # with the pretraining step's result recorded, its result id too
+    (tmp_path / RES / "pre.json").write_text(json.dumps({"result_id": "r1", "result": {}}))
+    assert run.started_from(step.args(), tmp_path, ("pre",)) == {**want, "result_id": "r1"}
 
 
 def test_image_passes_sum_the_methods_steps_against_from_scratch(tmp_path):
