@@ -128,7 +128,8 @@ class Run:
 
 def setup(cfg: Config, header: str = "") -> Run:
     """Process group, run directory, model (FLOPs counted before any wrapping), data stream,
-    DeepSpeed engine."""
+    DeepSpeed engine; then the state resumed from the last checkpoint, the MLflow run and the
+    in-training evaluations. Every rank calls this."""
     rank, local_rank, world = init_distributed()
     _, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
