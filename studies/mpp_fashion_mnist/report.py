@@ -100,9 +100,9 @@ def next_runs_section() -> list[str]:
         "(`runs/study/scratch_sweep/labels<share>/lr=<lr>/`); held-out chooses, and seeds 1-2 "
         "reuse the choice. MPP's lr was swept and from scratch's was not: this removes that "
         "asymmetry.",
-        f"- MPP pretraining seeds {seeds} (`run.seed`), each fine-tuned once at the lr the main "
-        "sweep chose: three pretraining seeds, so the spread over seeds includes the "
-        "pretraining's.",
+        f"- MPP pretraining seeds {seeds} (`run.seed`), each fine-tuned once on all the labels and "
+        "once on each share, at the lr seed 0's sweep chose there: three pretraining seeds per "
+        "row, so the spread over seeds includes the pretraining's.",
         "- Then the main and label tables rerun at one code version, so that no row mixes code "
         "versions or pretrainings.",
     ]
