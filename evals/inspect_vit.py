@@ -23,7 +23,7 @@ from ssl_vit import startup
 from ssl_vit.data.manifest import check_shards_exist, load_manifest
 from ssl_vit.evaluation.cli import add_verbose_arg, run_main
 from ssl_vit.evaluation.report import pretrain_run_id
-from ssl_vit.models.registry import resolve_export
+from ssl_vit.registry import resolve_export
 from ssl_vit.tracking import Tracker
 
 if TYPE_CHECKING:  # torch, timm and matplotlib load after the arguments parse

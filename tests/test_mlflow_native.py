@@ -21,7 +21,7 @@ from conftest import ROOT, MlflowServer
 from mlflow.tracking import MlflowClient
 from safetensors.torch import save_file
 
-from ssl_vit.models.registry import ArtifactError, resolve_export
+from ssl_vit.registry import ArtifactError, resolve_export
 
 
 def _sha(path: Path) -> str:
@@ -230,7 +230,7 @@ def test_start_up_is_quiet_unless_verbose(tiny_shards, tmp_path):
 def test_register_with_the_store_down_is_a_warning(tmp_path, caplog):
     import socket
 
-    from ssl_vit.models.registry import register_export
+    from ssl_vit.registry import register_export
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -17,11 +17,11 @@ from ssl_vit.config import Config, ConfigError
 from ssl_vit.data.manifest import Manifest
 from ssl_vit.models import build_backbone, export_backbone, load_backbone
 from ssl_vit.models.export import record_files
-from ssl_vit.models.registry import resolve_export
 from ssl_vit.objectives import build_objective, options_from_config
 from ssl_vit.objectives.export import META as OBJECTIVE_META
 from ssl_vit.objectives.export import WEIGHTS as OBJECTIVE_WEIGHTS
 from ssl_vit.objectives.export import save_objective
+from ssl_vit.registry import resolve_export
 
 
 @dataclass

@@ -99,7 +99,7 @@ def check_model(cfg: Config, in_chans: int) -> None:
     m = cfg.model
     if m.init_from:
         from ssl_vit.models.export import WEIGHTS, find_export  # imported late: torch, timm
-        from ssl_vit.models.registry import resolve_export
+        from ssl_vit.registry import resolve_export
 
         try:  # an MLflow URI is downloaded (verified) into the cache here, once
             folder = find_export(resolve_export(m.init_from, tracking_uri=cfg.tracking.uri).path)

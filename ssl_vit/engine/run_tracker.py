@@ -12,7 +12,7 @@ from typing import Any
 
 from ssl_vit.config import Config
 from ssl_vit.io import atomic_write_text
-from ssl_vit.models.registry import register_export
+from ssl_vit.registry import register_export
 from ssl_vit.tracking import PARENT_TAG, Tracker
 
 log = logging.getLogger("ssl_vit.train")

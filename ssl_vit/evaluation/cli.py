@@ -18,7 +18,7 @@ from ssl_vit.data.urls import normalise_root
 from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR, POOLS
 from ssl_vit.evaluation.report import format_table, log_to_mlflow, pretrain_run_id, write_results
 from ssl_vit.logs import setup_logging, wants_verbose
-from ssl_vit.models.registry import resolve_export
+from ssl_vit.registry import resolve_export
 
 if TYPE_CHECKING:
     from ssl_vit.features import EvalBackbone, FeatureSet

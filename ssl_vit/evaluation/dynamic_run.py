@@ -32,8 +32,8 @@ from ssl_vit.evaluation.report import (
     write_results,
 )
 from ssl_vit.models import load_backbone
-from ssl_vit.models.registry import resolve_export
 from ssl_vit.objectives.export import load_objective
+from ssl_vit.registry import resolve_export
 
 log = logging.getLogger("ssl_vit.dynamic")
 

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.cmd == "register":
-        from ssl_vit.models.registry import register_export
+        from ssl_vit.registry import register_export
 
         uri = resolve_uri(args.tracking_uri)
         version = register_export(uri, args.name, args.run_id, artifact_path=args.artifact_path)
