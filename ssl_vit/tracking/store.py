@@ -3,8 +3,8 @@ Tracker's local record holds and the run lacks.
 
 A record is a JSONL file: first the run (store, experiment, name, id, tags, and the metrics file,
 e.g. RUN/metrics.jsonl with a `{"step": S, "key": value, ...}` line per logged step, that holds
-its metric points), then `params`, `tags`, `artifact`, `end`, `run_id` and, without a metrics
-file, `metrics` events, one a line.
+its training metrics), then `params`, `tags`, `artifact`, `end`, `run_id` and `metrics` events
+(the points no metrics file holds: evaluations, or all of a Tracker without one), one a line.
 """
 
 from __future__ import annotations
