@@ -185,6 +185,40 @@ def label_scarce(r: Results, a: dict[str, list[str]]) -> list[str]:
     return lines + rebuilt_note(r, [s for _, _, ft, _ in budgets for s in ft])
 
 
+def scratch_lr_grid(r: Results) -> list[str]:
+    """From scratch's own lr grid per share (seed 0, chosen on held-out), as far as it has run:
+    the tuning MPP's fine-tuning already had."""
+    rows = []
+    for f in S.SCRATCH_SHARES:
+        held, tests = [], {}
+        for lr in S.SCRATCH_LRS:
+            out = r.output(S.scratch_lr_step(f, lr).name)
+            held.append(f"{lr}: {100 * out['selection_best_top1']:.2f}" if out else f"{lr}: -")
+            if out:
+                tests[lr] = (out["selection_best_top1"], out["selected_top1"])
+        if not tests:
+            continue
+        done = len(tests) == len(S.SCRATCH_LRS)
+        best = max(tests, key=lambda lr: tests[lr][0])
+        chosen = f"{best} (test top-1 {100 * tests[best][1]:.2f})" if done else "grid unfinished"
+        steps = [S.scratch_lr_step(f, lr).name for lr in tests]
+        rows.append(f"| {100 * f:g}% | {', '.join(held)} | {chosen} | {conditions(r, steps)} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "### From scratch's own learning rate (seed 0, chosen on held-out)",
+        "",
+        "The same budget per share as the table above, from scratch at each lr of the grid; the "
+        "held-out 2% chooses. Seeds 1-2 at the chosen lr follow, then this arm replaces the "
+        "untuned one above.",
+        "",
+        "| labels | held-out top-1 per lr | chosen lr | code; machine |",
+        "|---|---|---|---|",
+        *rows,
+    ]
+
+
 def image_passes(r: Results, method: list[str], scratch: str) -> str:
     """Images trained on by the steps of `method` (pretraining, fine-tuning) and by `scratch`,
     from each run's last metric line, and how far from equal they are."""
