@@ -419,3 +419,20 @@ def test_image_passes_sum_the_methods_steps_against_from_scratch(tmp_path):
     r = Results(tmp_path)
     assert tables.image_passes(r, ["mpp", "ft_a"], "scratch_a") == "467k; 422k (MPP +11%)"
     assert tables.image_passes(r, ["mpp", "ft_missing"], "scratch_a") == "-"
+
+
+def test_scratch_lr_grid_chooses_on_held_out_once_the_grid_is_done(tmp_path):
+    held = {"5e-4": 0.735, "1e-3": 0.730, "2e-3": 0.731}
+    for lr in ("5e-4", "2e-3"):
+        name = steps.scratch_lr_step(0.01, lr).name
+        _write(
+            tmp_path, name, {"selection_best_top1": held[lr], "selected_top1": 0.7 + held[lr] / 10}
+        )
+    r = Results(tmp_path)
+    assert "| 1% | 5e-4: 73.50, 1e-3: -, 2e-3: 73.10 | grid unfinished |" in "\n".join(
+        tables.scratch_lr_grid(r)
+    )
+    name = steps.scratch_lr_step(0.01, "1e-3").name
+    _write(tmp_path, name, {"selection_best_top1": held["1e-3"], "selected_top1": 0.9})
+    text = "\n".join(tables.scratch_lr_grid(r))  # the test split never chooses: 1e-3 loses
+    assert "| 5e-4 (test top-1 77.35) |" in text
