@@ -148,7 +148,9 @@ def label_scarce(r: Results, a: dict[str, list[str]]) -> list[str]:
         "evaluations. MPP minus from scratch: the difference of the means in points, its 95% "
         "confidence interval and the two-sided p of Welch's t-test (Welch-Satterthwaite degrees "
         "of freedom). Where MPP's seeds read different pretrainings, each gets its own row "
-        "against the same from-scratch seeds. Compute: image passes (every one 16 tokens of the "
+        "against the same from-scratch seeds. From scratch here keeps the supervised preset's lr "
+        "(1e-3) and weight decay, not tuned as MPP's fine-tuning lr is: its own grid follows "
+        "the table. Compute: image passes (every one 16 tokens of the "
         "same model), MPP's pretraining plus fine-tuning against from scratch, from the runs' "
         "own step counts.",
         "",
