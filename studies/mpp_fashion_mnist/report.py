@@ -290,6 +290,7 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
     lines += T.main_table(r, a)
     lines += T.label_scarce(r, a)
     lines += T.scratch_lr_grid(r)
+    lines += T.pretraining_seeds(r)
     shares = [(1.0, a["mpp"], a["scratch"])]
     shares += [(f, ft, base) for f, (_, ft, base) in zip(S.FEW_LABELS, T.FEW, strict=True)]
     # one pretraining per point: the share's MPP seeds of its largest row in the table

@@ -221,6 +221,40 @@ def scratch_lr_grid(r: Results) -> list[str]:
     ]
 
 
+def pretraining_seeds(r: Results) -> list[str]:
+    """MPP fine-tuned from each pretraining seed (pretraining seed = fine-tuning seed), per
+    share of the labels, as far as run: the spread the tables above leave out."""
+    shares = [(1.0, "ft_mpp_s0", "ft_mpp_seed{s}_s{s}")]
+    shares += [
+        (f, S.few_label_arms(f, 0)[0], f"ft_mpp_seed{{s}}_{S.share_tag(f)}_s{{s}}")
+        for f in S.FEW_LABELS
+    ]
+    rows = []
+    for f, first, pattern in shares:
+        names = [first, *(pattern.format(s=s) for s in S.PRETRAIN_SEEDS)]
+        top1 = [r.selected(n) for n in names]
+        if all(t is None for t in top1[1:]):
+            continue
+        cells = [f"{100 * t:.2f}" if t is not None else "-" for t in top1]
+        done = [n for n, t in zip(names, top1, strict=True) if t is not None]
+        rows.append(f"| {100 * f:g}% | {' | '.join(cells)} | {conditions(r, done)} |")
+    if not rows:
+        return []
+    seeds = " | ".join(f"pretraining seed {s}" for s in S.PRETRAIN_SEEDS)
+    return [
+        "",
+        "### MPP across pretraining seeds (fine-tuned test top-1)",
+        "",
+        "Each pretraining seed fine-tuned once, with the fine-tuning seed equal to it and the lr "
+        "seed 0's sweep chose on held-out for that share. Seed 0 is the pretraining the tables "
+        "above read (its first run; weights not recorded).",
+        "",
+        f"| labels | pretraining seed 0 | {seeds} | code; machine |",
+        "|---|---|" + "---|" * len(S.PRETRAIN_SEEDS) + "---|",
+        *rows,
+    ]
+
+
 def image_passes(r: Results, method: list[str], scratch: str) -> str:
     """Images trained on by the steps of `method` (pretraining, fine-tuning) and by `scratch`,
     from each run's last metric line, and how far from equal they are."""

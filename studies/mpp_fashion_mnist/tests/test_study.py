@@ -436,3 +436,13 @@ def test_scratch_lr_grid_chooses_on_held_out_once_the_grid_is_done(tmp_path):
     _write(tmp_path, name, {"selection_best_top1": held["1e-3"], "selected_top1": 0.9})
     text = "\n".join(tables.scratch_lr_grid(r))  # the test split never chooses: 1e-3 loses
     assert "| 5e-4 (test top-1 77.35) |" in text
+
+
+def test_pretraining_seeds_table_shows_each_seeds_fine_tune_as_far_as_run(tmp_path):
+    r = Results(tmp_path)
+    assert tables.pretraining_seeds(r) == []  # nothing of the extra seeds yet: no table
+    _write(tmp_path, "ft_mpp_labels1_s0", {"selected_top1": 0.7573})
+    _write(tmp_path, "ft_mpp_seed1_labels1_s1", {"selected_top1": 0.7412})
+    text = "\n".join(tables.pretraining_seeds(r))
+    assert "| 1% | 75.73 | 74.12 | - |" in text
+    assert "| 100% |" not in text  # a share none of whose extra seeds has run
