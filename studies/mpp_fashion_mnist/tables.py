@@ -246,8 +246,10 @@ def pretraining_seeds(r: Results) -> list[str]:
         "### MPP across pretraining seeds (fine-tuned test top-1)",
         "",
         "Each pretraining seed fine-tuned once, with the fine-tuning seed equal to it and the lr "
-        "seed 0's sweep chose on held-out for that share. Seed 0 is the pretraining the tables "
-        "above read (its first run; weights not recorded).",
+        "seed 0's sweep chose on held-out for that share. Seed 0 is the seed-0 fine-tune of the "
+        "tables above, with the pretraining it read there (at 30% of the labels a rerun of "
+        "it). Pretraining seeds differ by several points at 1% of the labels: one pretraining "
+        "per method leaves that out of the spreads above.",
         "",
         f"| labels | pretraining seed 0 | {seeds} | code; machine |",
         "|---|---|" + "---|" * len(S.PRETRAIN_SEEDS) + "---|",
