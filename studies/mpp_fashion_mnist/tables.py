@@ -229,10 +229,12 @@ def pretraining_seeds(r: Results) -> list[str]:
         (f, S.few_label_arms(f, 0)[0], f"ft_mpp_seed{{s}}_{S.share_tag(f)}_s{{s}}")
         for f in S.FEW_LABELS
     ]
-    rows = []
+    rows, widest = [], (0.0, 0.0)  # (range over the pretraining seeds, share)
     for f, first, pattern in shares:
         names = [first, *(pattern.format(s=s) for s in S.PRETRAIN_SEEDS)]
         top1 = [r.selected(n) for n in names]
+        got = [t for t in top1 if t is not None]
+        widest = max(widest, (100 * (max(got) - min(got)), f)) if got else widest
         if all(t is None for t in top1[1:]):
             continue
         cells = [f"{100 * t:.2f}" if t is not None else "-" for t in top1]
@@ -240,6 +242,11 @@ def pretraining_seeds(r: Results) -> list[str]:
         rows.append(f"| {100 * f:g}% | {' | '.join(cells)} | {conditions(r, done)} |")
     if not rows:
         return []
+    spread = (
+        f"The widest range over pretraining seeds so far is {widest[0]:.2f} points, at "
+        f"{100 * widest[1]:g}% of the labels: the spreads above, one pretraining per method, "
+        "leave it out."
+    )
     seeds = " | ".join(f"pretraining seed {s}" for s in S.PRETRAIN_SEEDS)
     return [
         "",
@@ -248,8 +255,7 @@ def pretraining_seeds(r: Results) -> list[str]:
         "Each pretraining seed fine-tuned once, with the fine-tuning seed equal to it and the lr "
         "seed 0's sweep chose on held-out for that share. Seed 0 is the seed-0 fine-tune of the "
         "tables above, with the pretraining it read there (at 30% of the labels a rerun of "
-        "it). Pretraining seeds differ by several points at 1% of the labels: one pretraining "
-        "per method leaves that out of the spreads above.",
+        f"it). {spread}",
         "",
         f"| labels | pretraining seed 0 | {seeds} | code; machine |",
         "|---|---|" + "---|" * len(S.PRETRAIN_SEEDS) + "---|",
