@@ -207,7 +207,7 @@ def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config dict, as YAML reads it back, less the keys that change how a run executes but
     not what it trains (tracking, train.compile, data.in_memory: the same augmentation
     distribution, fed another way): what two runs must share for one's result to stand for the
-    other's (a sweep's finished values, the study's steps). A key the config has gained since
+    other's (a sweep's finished values, a rerun's cached results). A key the config has gained since
     `cfg` was written counts at its default, the value every run before it trained with."""
     out = yaml.safe_load(yaml.safe_dump(cfg))
     for section, defaults in Config().to_dict().items():
