@@ -265,7 +265,7 @@ def test_mpp_token_path_matches_timm_forward_features(dynamic):
     """MPP drives timm's ViT in two halves through its private `_pos_embed` (no public twin):
     with nothing corrupted, the halves must give timm's own forward_features. A timm release
     that changes `_pos_embed` fails here (pyproject pins the range this was tested on)."""
-    from ssl_vit.objectives.tokens import embed_patches, encode_patches
+    from ssl_vit.objectives.mpp import embed_patches, encode_patches
 
     torch.manual_seed(0)
     kwargs = {"dynamic_img_size": True} if dynamic else {}

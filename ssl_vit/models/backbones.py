@@ -22,7 +22,14 @@ from timm.models.mlp_mixer import MixerBlock, MlpMixer
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-__all__ = ["build_backbone", "TokenGeometry", "token_geometry", "backbone_kind", "is_hybrid"]
+__all__ = [
+    "build_backbone",
+    "TokenGeometry",
+    "token_geometry",
+    "backbone_kind",
+    "is_hybrid",
+    "normalize",
+]
 
 
 def _mixer_with_patch_size(
@@ -142,3 +149,11 @@ def token_geometry(model: nn.Module) -> TokenGeometry:
     if isinstance(embed, HybridEmbed):
         conv = next(m for m in embed.backbone.modules() if isinstance(m, nn.Conv2d))
     return TokenGeometry(img, grid, img[0] // grid[0], int(conv.in_channels))
+
+
+def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, like: nn.Module):
+    """(images - mean) / std computed in float32, returned in the dtype of `like`'s weights:
+    float32 under autocast, bf16 when an engine (DeepSpeed bf16) cast the parameters (it leaves
+    buffers such as `mean` in float32, so their dtype says nothing)."""
+    dtype = next(like.parameters()).dtype
+    return ((images.float() - mean.float()) / std.float()).to(dtype)

@@ -22,17 +22,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from timm.models import checkpoint_seq
 from torch import nn
 
-from ssl_vit.models.backbones import is_hybrid, token_geometry
+from ssl_vit.models.backbones import backbone_kind, is_hybrid, normalize, token_geometry
 from ssl_vit.models.heads import PretrainHead
-from ssl_vit.objectives.tokens import (
-    embed_dim,
-    embed_patches,
-    encode_patches,
-    normalize,
-    num_prefix_tokens,
-)
 from ssl_vit.recipe import MPP, TARGETS, CorruptionKind
 
 __all__ = [
@@ -46,6 +40,8 @@ __all__ = [
     "draw_corruption",
     "apply_corruption",
     "Corruption",
+    "embed_patches",
+    "encode_patches",
 ]
 
 
@@ -143,6 +139,40 @@ def visible_pixels(corruption: Corruption, grid: tuple[int, int], patch_px: int)
     grid_hidden.scatter_(1, corruption.positions, hidden)  # (B, N)
     up = grid_hidden.view(B, 1, *grid).repeat_interleave(patch_px, 2).repeat_interleave(patch_px, 3)
     return 1.0 - up  # (B, 1, gh * P, gw * P)
+
+
+# The backbone in two halves, so the patch embeddings can be corrupted in between (sec. 4.6).
+# ViT (and hybrid): patch_embed -> [corrupt] -> _pos_embed -> patch_drop -> norm_pre -> blocks ->
+# norm, i.e. timm's forward_features with the corruption after the patch projection and before
+# the position embeddings are added. Mixer: stem -> [corrupt] -> blocks -> norm. `_pos_embed` is
+# private to timm: its version is pinned, and tests/test_models.py checks the two halves against
+# `forward_features`.
+
+
+def embed_patches(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Normalised images (B, C, H, W) -> patch embeddings (B, N, D), before position embeddings."""
+    embed = backbone.patch_embed if backbone_kind(backbone) == "vit" else backbone.stem
+    t = embed(x)
+    return t.flatten(1, 2) if t.ndim == 4 else t  # dynamic_img_size gives NHWC
+
+
+def encode_patches(
+    backbone: nn.Module, tokens: torch.Tensor, grid: tuple[int, int]
+) -> torch.Tensor:
+    """(Corrupted) patch embeddings (B, N, D) -> output tokens (B, T, D), prefix tokens first."""
+    if backbone_kind(backbone) == "vit":
+        if getattr(backbone, "dynamic_img_size", False):
+            tokens = tokens.unflatten(1, grid)  # _pos_embed wants NHWC here
+        x = backbone._pos_embed(tokens)
+        x = backbone.patch_drop(x)
+        x = backbone.norm_pre(x)
+    else:
+        x = tokens
+    if backbone.grad_checkpointing and not torch.jit.is_scripting():
+        x = checkpoint_seq(backbone.blocks, x)
+    else:
+        x = backbone.blocks(x)
+    return backbone.norm(x)
 
 
 # Prediction targets, from the un-normalised image in [0, 1] (B.1.2). A channel value v in [0, 1]
@@ -325,7 +355,7 @@ class MaskedPatchPrediction(nn.Module):
         self.target, self.bits, self.downsize = target, int(bits), int(downsize)
         self.normalize_pixels = bool(normalize_pixels)
         self.num_classes = (1 << self.bits) ** self.in_chans
-        dim = embed_dim(backbone)
+        dim = int(backbone.embed_dim)
         if target == "mean_color":
             out = self.num_classes
         elif target == "downsized_color":
@@ -339,7 +369,9 @@ class MaskedPatchPrediction(nn.Module):
         self.head = PretrainHead(dim, out, head_hidden)
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
-        self._prefix = num_prefix_tokens(backbone)
+        # tokens before the patch tokens in the encoder's output ([class], registers)
+        vit = backbone_kind(backbone) == "vit"
+        self._prefix = int(getattr(backbone, "num_prefix_tokens", 0)) if vit else 0
         self.hide_pixels = is_hybrid(backbone)  # see the class docstring
 
     def no_weight_decay(self) -> set[str]:

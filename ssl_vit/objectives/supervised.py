@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ssl_vit.models.backbones import normalize
 from ssl_vit.models.heads import FinetuneHead, PretrainHead
 from ssl_vit.objectives.mpp import MaskedPatchPrediction
-from ssl_vit.objectives.tokens import normalize
 
 __all__ = ["SupervisedObjective", "JointObjective"]
 
