@@ -85,26 +85,30 @@ def plan_section() -> list[str]:
     ]
 
 
-def next_runs_section() -> list[str]:
+def next_runs_section(r: Results) -> list[str]:
+    """Issue 38's steps (`steps.next_runs`): what has run and what is left."""
+    planned = S.next_runs()
+    left = [s.name for s in planned if r.get(s.name) is None]
     lrs = ", ".join(S.SCRATCH_LRS)
-    shares = ", ".join(f"{100 * f:g}%" for f in S.SCRATCH_SHARES)
     seeds = " and ".join(map(str, S.PRETRAIN_SEEDS))
     return [
         "",
-        "## Next runs (issue 38)",
+        "## Issue 38's runs",
         "",
-        "In the step list (`study.py run` runs them), not run yet:",
+        f"{len(planned) - len(left)} of its {len(planned)} steps have run "
+        "(`study.py status` lists them; `study.py run` runs the rest, one at a time):",
         "",
-        f"- From scratch gets an lr grid of its own per label share ({shares}): `optim.lr` in "
-        f"{{{lrs}}}, seed 0, one run directory per lr "
-        "(`runs/study/scratch_sweep/labels<share>/lr=<lr>/`); held-out chooses, and seeds 1-2 "
-        "reuse the choice. MPP's lr was swept and from scratch's was not: this removes that "
-        "asymmetry.",
-        f"- MPP pretraining seeds {seeds} (`run.seed`), each fine-tuned once on all the labels and "
-        "once on each share, at the lr seed 0's sweep chose there: three pretraining seeds per "
-        "row, so the spread over seeds includes the pretraining's.",
+        f"- From scratch gets an lr grid of its own per label share: `optim.lr` in {{{lrs}}}, "
+        "seed 0, one run directory per lr (`runs/study/scratch_sweep/labels<share>/lr=<lr>/`); "
+        "held-out chooses, and seeds 1-2 reuse the choice. MPP's lr was swept and from "
+        "scratch's was not: this removes that asymmetry.",
+        f"- MPP pretraining seeds {seeds} (`run.seed`), each fine-tuned once on all the labels "
+        "and once on each share, at the lr seed 0's sweep chose there: three pretraining seeds "
+        "per row, so the spread over seeds includes the pretraining's.",
         "- Then the main and label tables rerun at one code version, so that no row mixes code "
         "versions or pretrainings.",
+        "",
+        f"Not run yet: {', '.join(left) if left else 'none'}.",
     ]
 
 
@@ -193,6 +197,12 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
             origin = f", MPP from {st.text()}" if st else ""
             if x and y:
                 _gap_goal(lines, f"{label} (post hoc){origin}", x, y)
+    for f in S.SCRATCH_SHARES:  # issue 38: three pretrainings against the tuned from scratch
+        x = T.scores(r, T.mpp_seed_arm(f))
+        lr, tuned = T.tuned_scratch(r, f)
+        if len(x) == len(T.mpp_seed_arm(f)) and tuned:
+            label = f"{100 * f:g}% of the labels, three pretrainings, from scratch at lr {lr}"
+            _gap_goal(lines, label, x, T.scores(r, tuned))
     for label, ev, rand in READOUTS:
         for what, kind, key, goal in (
             ("kNN (k=20)", "knn", KNN, 87.0),
@@ -289,6 +299,7 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
     lines += plan_section()
     lines += T.main_table(r, a)
     lines += T.label_scarce(r, a)
+    lines += T.seeds_table(r, a)
     lines += T.scratch_lr_grid(r)
     lines += T.pretraining_seeds(r)
     shares = [(1.0, a["mpp"], a["scratch"])]
@@ -354,7 +365,7 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
         for method, steps in zip(("MPP, fine-tuned", "from scratch"), pair, strict=True)
     ]
     lines += reading(r, a, all_pretrainings, [*trainings, *few], all_pretrainings[:2])
-    lines += next_runs_section()
+    lines += next_runs_section(r)
     lines += [
         "",
         "## Reference points (Fashion-MNIST README)",

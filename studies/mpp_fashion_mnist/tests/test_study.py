@@ -447,3 +447,32 @@ def test_pretraining_seeds_table_shows_each_seeds_fine_tune_as_far_as_run(tmp_pa
     assert "| 1% | 75.73 | 74.12 | - |" in text
     assert "| 100% |" not in text  # a share none of whose extra seeds has run
     assert "widest range over pretraining seeds so far is 1.61 points, at 1% of" in text
+
+
+def test_seeds_table_tests_three_pretrainings_against_the_tuned_arm(tmp_path):
+    """A share shows once all three pretrainings are fine-tuned; from scratch's arm is its grid's
+    held-out choice (seed 0) and that lr's seeds 1-2, tested with Welch's t."""
+    r = Results(tmp_path)
+    for s, v in zip((0, 1, 2), (0.75, 0.74, 0.73), strict=True):
+        name = "ft_mpp_labels1_s0" if s == 0 else f"ft_mpp_seed{s}_labels1_s{s}"
+        if s < 2:
+            _write(tmp_path, name, {"selected_top1": v})
+    assert tables.seeds_table(r, tables.arms()) == []  # two pretrainings of three: no row
+    _write(tmp_path, "ft_mpp_seed2_labels1_s2", {"selected_top1": 0.73})
+    held = {"5e-4": 0.70, "1e-3": 0.72, "2e-3": 0.72}  # a tie: the first of the grid wins
+    for lr, h in held.items():
+        _write(tmp_path, steps.scratch_lr_step(0.01, lr).name, {"selection_best_top1": h})
+    assert tables.tuned_scratch(r, 0.01) == ("1e-3", [steps.scratch_lr_step(0.01, "1e-3").name])
+    _write(
+        tmp_path,
+        steps.scratch_lr_step(0.01, "1e-3").name,
+        {"selection_best_top1": 0.72, "selected_top1": 0.70},
+    )
+    for s, v in ((1, 0.71), (2, 0.72)):
+        _write(tmp_path, steps.scratch_lr_seed(0.01, s).name, {"selected_top1": v})
+    text = "\n".join(tables.seeds_table(r, tables.arms()))
+    w = stats.welch([0.75, 0.74, 0.73], [0.70, 0.71, 0.72])
+    assert (
+        f"| 71.00 ± 1.00 (n=3) at lr 1e-3 | +3.00 [{100 * w.low:+.2f}, {100 * w.high:+.2f}]" in text
+    )
+    assert "| 10% |" not in text
