@@ -90,7 +90,7 @@ def next_runs_section(r: Results) -> list[str]:
     planned = S.next_runs()
     left = [s.name for s in planned if r.get(s.name) is None]
     lrs = ", ".join(S.SCRATCH_LRS)
-    seeds = " and ".join(map(str, S.PRETRAIN_SEEDS))
+    seeds = ", ".join(map(str, S.PRETRAIN_SEEDS))
     return [
         "",
         "## Issue 38's runs",
@@ -104,7 +104,11 @@ def next_runs_section(r: Results) -> list[str]:
         "scratch's was not: this removes that asymmetry.",
         f"- MPP pretraining seeds {seeds} (`run.seed`), each fine-tuned once on all the labels "
         "and once on each share, at the lr seed 0's sweep chose there: three pretraining seeds "
-        "per row, so the spread over seeds includes the pretraining's.",
+        "per row, so the spread over seeds includes the pretraining's. Seed 0 is pretrained "
+        "again (`mpp_seed0`) so that the three share one code version and loader.",
+        f"- Supervised pretraining seeds {seeds}, each fine-tuned once on all the labels at the "
+        "lr its seed-0 sweep chose: the main comparison's third arm, with its pretraining's "
+        "variance too.",
         "- Then the main and label tables rerun at one code version, so that no row mixes code "
         "versions or pretrainings.",
         "",
@@ -198,9 +202,9 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
             if x and y:
                 _gap_goal(lines, f"{label} (post hoc){origin}", x, y)
     for f in S.SCRATCH_SHARES:  # issue 38: three pretrainings against the tuned from scratch
-        x = T.scores(r, T.mpp_seed_arm(f))
+        x = T.scores(r, T.mpp_seed_arm(r, f))
         lr, tuned = T.tuned_scratch(r, f)
-        if len(x) == len(T.mpp_seed_arm(f)) and tuned:
+        if len(x) == len(S.PRETRAIN_SEEDS) and tuned:
             label = f"{100 * f:g}% of the labels, three pretrainings, from scratch at lr {lr}"
             _gap_goal(lines, label, x, T.scores(r, tuned))
     for label, ev, rand in READOUTS:

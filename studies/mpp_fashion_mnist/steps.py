@@ -113,11 +113,13 @@ GPU_SPLIT = (20, GPU_SCRATCH_EPOCHS - 20)
 # one a second.
 GPU_RUN = ["train.compile=false", "run.checkpoint_every=2000", "run.log_every=50"]
 
-# Next runs (issue 38): from scratch gets an lr grid of its own per label share, chosen on
-# held-out by seed 0 and reused by seeds 1-2, and MPP gets pretraining seeds. Not run yet.
+# Issue 38: from scratch gets an lr grid of its own per label share, chosen on held-out by seed
+# 0 and reused by seeds 1-2; MPP and supervised pretraining get three pretraining seeds each.
+# Seed 0 is pretrained again (mpp_seed0, supervised_seed0) beside `mpp` and `supervised`, so
+# that the three seeds share one code version and loader (the first runs streamed their data).
 SCRATCH_LRS = ("5e-4", "1e-3", "2e-3")
 SCRATCH_SHARES = (0.01, 0.1, 0.3, 1.0)
-PRETRAIN_SEEDS = (1, 2)  # run.seed of the extra MPP pretrainings (seed 0 is `mpp`)
+PRETRAIN_SEEDS = (0, 1, 2)  # run.seed of the pretrainings mpp_seed<s>, supervised_seed<s>
 
 # What was fixed before any result and what was added after seeing results (the report's
 # "Study plan"). Post-hoc additions answer questions the earlier numbers raised: read them as
@@ -648,8 +650,9 @@ def scratch_lr_seed(fraction: float, seed: int) -> Step:
 
 def next_runs() -> list[Step]:
     """Issue 38's runs: from scratch's own lr per share (seed 0 chooses on held-out, seeds 1-2
-    reuse), then MPP pretraining seeds 1 and 2, each fine-tuned once on all the labels and once
-    on each share, at the lr seed 0's sweep chose there (fine-tuning seed = pretraining seed)."""
+    reuse); MPP pretraining seeds 0-2, each fine-tuned once on all the labels and once on each
+    share, at the lr seed 0's sweep chose there (fine-tuning seed = pretraining seed); then
+    supervised pretraining seeds 0-2, each fine-tuned once on all the labels."""
     steps = [scratch_lr_step(f, lr) for f in SCRATCH_SHARES for lr in SCRATCH_LRS]
     steps += [scratch_lr_seed(f, seed) for f in SCRATCH_SHARES for seed in SEEDS[1:]]
     for seed in PRETRAIN_SEEDS:
@@ -661,6 +664,10 @@ def next_runs() -> list[Step]:
             lr_from, _ = few_label_arms(fraction, SEEDS[0])  # seed 0's sweep on the share
             ft = f"ft_{name}_{share_tag(fraction)}_s{seed}"
             steps.append(finetune(name, seed, ft_epochs, lr_from, *ft_args, name=ft))
+    for seed in PRETRAIN_SEEDS:
+        name = f"supervised_seed{seed}"
+        steps.append(pretrain(name, SUP, SUPERVISED_PY, f"run.seed={seed}"))
+        steps.append(finetune(name, seed, FINETUNE_EPOCHS, f"ft_supervised_s{SEEDS[0]}"))
     return steps
 
 

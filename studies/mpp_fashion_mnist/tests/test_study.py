@@ -444,7 +444,7 @@ def test_pretraining_seeds_table_shows_each_seeds_fine_tune_as_far_as_run(tmp_pa
     _write(tmp_path, "ft_mpp_labels1_s0", {"selected_top1": 0.7573})
     _write(tmp_path, "ft_mpp_seed1_labels1_s1", {"selected_top1": 0.7412})
     text = "\n".join(tables.pretraining_seeds(r))
-    assert "| 1% | 75.73 | 74.12 | - |" in text
+    assert "| 1% | 75.73 | - | 74.12 | - |" in text
     assert "| 100% |" not in text  # a share none of whose extra seeds has run
     assert "widest range over pretraining seeds so far is 1.61 points, at 1% of" in text
 
@@ -476,3 +476,9 @@ def test_seeds_table_tests_three_pretrainings_against_the_tuned_arm(tmp_path):
         f"| 71.00 ± 1.00 (n=3) at lr 1e-3 | +3.00 [{100 * w.low:+.2f}, {100 * w.high:+.2f}]" in text
     )
     assert "| 10% |" not in text
+    # seed 0 pretrained again with seeds 1-2's code: its fine-tune replaces the first run's
+    _write(tmp_path, "ft_mpp_seed0_labels1_s0", {"selected_top1": 0.76})
+    assert tables.mpp_seed_arm(r, 0.01)[0] == "ft_mpp_seed0_labels1_s0"
+    assert "| 74.33 ± 1.53 (n=3): 76.00, 74.00, 73.00 |" in "\n".join(
+        tables.seeds_table(r, tables.arms())
+    )
