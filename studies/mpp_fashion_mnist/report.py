@@ -302,6 +302,7 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
         "",
         "Machines: " + ("; ".join(machines) if machines else "none yet") + ".",
     ]
+    lines += T.headline(r)
     lines += plan_section(r)
     lines += T.main_table(r, a)
     lines += T.label_scarce(r, a)

@@ -29,6 +29,7 @@ from studies.mpp_fashion_mnist.records import (
     sweep_text,
     welch_text,
 )
+from studies.mpp_fashion_mnist.stats import welch
 
 LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's seed 0
 HIRES_ARM = f"ft_mpp_long_{S.HIRES}px"  # its MPP backbone fine-tuned at the higher resolution
@@ -267,6 +268,42 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
+
+
+def headline(r: Results) -> list[str]:
+    """The study's answer so far, per share of the labels: MPP over three pretrainings minus
+    from scratch at its own lr (where that arm has 2+ seeds), with its 95% CI."""
+    said, waiting = [], []
+    for f in S.SCRATCH_SHARES:
+        x = scores(r, mpp_seed_arm(r, f))
+        lr, tuned = tuned_scratch(r, f)
+        y = scores(r, tuned)
+        if len(x) < len(S.PRETRAIN_SEEDS) or len(y) < 2:
+            waiting.append(f"{100 * f:g}%")
+            continue
+        w = welch(x, y)
+        verdict = "above 0" if w.low > 0 else ("below 0" if w.high < 0 else "includes 0")
+        said.append(
+            f"- {100 * f:g}% of the labels: {100 * w.diff:+.2f} points [{100 * w.low:+.2f}, "
+            f"{100 * w.high:+.2f}] (Welch p={w.p:.2g}; MPP {mean_std_text(x)}, from scratch at "
+            f"lr {lr} {mean_std_text(y)}): the interval {verdict}."
+        )
+    lines = ["", "## Headline", ""]
+    if said:
+        lines += [
+            "MPP (three pretrainings, each fine-tuned once) minus from scratch tuned on held-out "
+            "like MPP's fine-tuning, test top-1 with its 95% CI:",
+            "",
+            *said,
+        ]
+    if waiting:
+        lines += [
+            *([""] if said else []),
+            f"Not yet answered at {', '.join(waiting)} of the labels: the tuned from-scratch arm "
+            "has fewer than 2 seeds there (the study plan below lists the steps to run). The "
+            "tables further down hold the first runs, against the untuned from scratch.",
+        ]
+    return lines
 
 
 def scratch_lr_grid(r: Results) -> list[str]:
