@@ -262,7 +262,7 @@ def test_next_runs_make_the_sweep_directories_and_reuse_its_choice(tmp_path, mon
                 f"run.dir={step.run_dir}",
             } <= set(args)
     monkeypatch.setattr(steps, "ROOT", tmp_path)
-    for lr, held in zip(steps.SCRATCH_LRS, (0.80, 0.84, 0.84), strict=True):
+    for lr, held in zip(steps.SCRATCH_LRS, (0.80, 0.84, 0.84, 0.83), strict=True):
         path = tmp_path / RES / f"scratch_sweep/labels10/lr={lr}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"result": {"selection_best_top1": held}}))
@@ -422,14 +422,14 @@ def test_image_passes_sum_the_methods_steps_against_from_scratch(tmp_path):
 
 
 def test_scratch_lr_grid_chooses_on_held_out_once_the_grid_is_done(tmp_path):
-    held = {"5e-4": 0.735, "1e-3": 0.730, "2e-3": 0.731}
-    for lr in ("5e-4", "2e-3"):
+    held = {"5e-4": 0.735, "1e-3": 0.730, "2e-3": 0.731, "4e-3": 0.72}
+    for lr in ("5e-4", "2e-3", "4e-3"):
         name = steps.scratch_lr_step(0.01, lr).name
         _write(
             tmp_path, name, {"selection_best_top1": held[lr], "selected_top1": 0.7 + held[lr] / 10}
         )
     r = Results(tmp_path)
-    assert "| 1% | 5e-4: 73.50, 1e-3: -, 2e-3: 73.10 | grid unfinished |" in "\n".join(
+    assert "| 1% | 5e-4: 73.50, 1e-3: -, 2e-3: 73.10, 4e-3: 72.00 | grid unfinished |" in "\n".join(
         tables.scratch_lr_grid(r)
     )
     name = steps.scratch_lr_step(0.01, "1e-3").name
@@ -459,7 +459,7 @@ def test_seeds_table_tests_three_pretrainings_against_the_tuned_arm(tmp_path):
             _write(tmp_path, name, {"selected_top1": v})
     assert tables.seeds_table(r, tables.arms()) == []  # two pretrainings of three: no row
     _write(tmp_path, "ft_mpp_seed2_labels1_s2", {"selected_top1": 0.73})
-    held = {"5e-4": 0.70, "1e-3": 0.72, "2e-3": 0.72}  # a tie: the first of the grid wins
+    held = {"5e-4": 0.70, "1e-3": 0.72, "2e-3": 0.72, "4e-3": 0.71}  # a tie: the first wins
     for lr, h in held.items():
         _write(tmp_path, steps.scratch_lr_step(0.01, lr).name, {"selection_best_top1": h})
     assert tables.tuned_scratch(r, 0.01) == ("1e-3", [steps.scratch_lr_step(0.01, "1e-3").name])
