@@ -210,9 +210,17 @@ def tuned_scratch(r: Results, fraction: float) -> tuple[str | None, list[str]]:
         return None, []
     scored = [(out["selection_best_top1"], -i) for i, out in enumerate(held)]
     lr = S.SCRATCH_LRS[-max(scored)[1]]
-    steps = [S.scratch_lr_step(fraction, lr).name]
-    steps += [S.scratch_lr_seed(fraction, s).name for s in S.SEEDS[1:]]
-    return lr, [s for s in steps if r.get(s) is not None]
+    seeds = [S.scratch_lr_seed(fraction, s).name for s in S.SEEDS[1:]]
+    # a seed trained at an earlier choice (before the grid grew) is stale: it reruns, unread
+    seeds = [s for s in seeds if r.get(s) is not None and trained_lr(r, s) == float(lr)]
+    return lr, [S.scratch_lr_step(fraction, lr).name, *seeds]
+
+
+def trained_lr(r: Results, step: str) -> float | None:
+    """The optim.lr a training step's result was trained with (its resolved config)."""
+    config = ((r.get(step) or {}).get("recipe") or {}).get("config") or {}
+    lr = (config.get("optim") or {}).get("lr")
+    return None if lr is None else float(lr)
 
 
 def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
@@ -309,7 +317,7 @@ def headline(r: Results) -> list[str]:
 def scratch_lr_grid(r: Results) -> list[str]:
     """From scratch's own lr grid per share (seed 0, chosen on held-out), as far as it has run:
     the tuning MPP's fine-tuning already had."""
-    rows = []
+    rows, edges = [], []
     for f in S.SCRATCH_SHARES:
         held, tests = [], {}
         for lr in S.SCRATCH_LRS:
@@ -322,6 +330,8 @@ def scratch_lr_grid(r: Results) -> list[str]:
         done = len(tests) == len(S.SCRATCH_LRS)
         best = max(tests, key=lambda lr: tests[lr][0])
         chosen = f"{best} (test top-1 {100 * tests[best][1]:.2f})" if done else "grid unfinished"
+        if done and best in (S.SCRATCH_LRS[0], S.SCRATCH_LRS[-1]):
+            edges.append(f"{100 * f:g}% ({best})")
         steps = [S.scratch_lr_step(f, lr).name for lr in tests]
         rows.append(f"| {100 * f:g}% | {', '.join(held)} | {chosen} | {conditions(r, steps)} |")
     if not rows:
@@ -331,7 +341,13 @@ def scratch_lr_grid(r: Results) -> list[str]:
         "### From scratch's own learning rate (seed 0, chosen on held-out)",
         "",
         "The same budget per share as the table above, from scratch at each lr of the grid; the "
-        "held-out 2% chooses; seeds 1-2 reuse the choice (the table above).",
+        "held-out 2% chooses; seeds 1-2 reuse the choice (the table above)."
+        + (
+            f" The choice is at an edge of the grid at {', '.join(edges)}: a wider grid might "
+            "find a better lr there; the grid stays at the four values MPP's sweep has."
+            if edges
+            else ""
+        ),
         "",
         "| labels | held-out top-1 per lr | chosen lr | code; machine |",
         "|---|---|---|---|",

@@ -436,6 +436,7 @@ def test_scratch_lr_grid_chooses_on_held_out_once_the_grid_is_done(tmp_path):
     _write(tmp_path, name, {"selection_best_top1": held["1e-3"], "selected_top1": 0.9})
     text = "\n".join(tables.scratch_lr_grid(r))  # the test split never chooses: 1e-3 loses
     assert "| 5e-4 (test top-1 77.35) |" in text
+    assert "The choice is at an edge of the grid at 1% (5e-4)" in text
 
 
 def test_pretraining_seeds_table_shows_each_seeds_fine_tune_as_far_as_run(tmp_path):
@@ -469,7 +470,12 @@ def test_seeds_table_tests_three_pretrainings_against_the_tuned_arm(tmp_path):
         {"selection_best_top1": 0.72, "selected_top1": 0.70},
     )
     for s, v in ((1, 0.71), (2, 0.72)):
-        _write(tmp_path, steps.scratch_lr_seed(0.01, s).name, {"selected_top1": v})
+        config = {"config": {"optim": {"lr": 0.001 if s == 1 else 0.002}}}
+        _write(tmp_path, steps.scratch_lr_seed(0.01, s).name, {"selected_top1": v}, recipe=config)
+    # seed 2 trained at another lr (a choice the grid has since changed): not in the arm
+    assert tables.tuned_scratch(r, 0.01)[1][1:] == [steps.scratch_lr_seed(0.01, 1).name]
+    config = {"config": {"optim": {"lr": 0.001}}}
+    _write(tmp_path, steps.scratch_lr_seed(0.01, 2).name, {"selected_top1": 0.72}, recipe=config)
     text = "\n".join(tables.seeds_table(r, tables.arms()))
     w = stats.welch([0.75, 0.74, 0.73], [0.70, 0.71, 0.72])
     assert (
