@@ -235,6 +235,7 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
         if len(x) < len(mpp):  # a row is shown with all three pretrainings or not at all
             continue
         origins = ", ".join(st.text() if st else "-" for st in (start(r, s) for s in mpp))
+        pretraining = "mpp_seed0" if mpp[0].startswith("ft_mpp_seed0") else "mpp"  # seed 0's
         cells = [
             f"{100 * f:g}%",
             f"{mean_std_text(x)}: {', '.join(f'{100 * v:.2f}' for v in x)}",
@@ -243,7 +244,7 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
             welch_text(x, y) if y else "-",
             mean_std_text(z),
             welch_text(x, z) if z else "-",
-            image_passes(r, ["mpp", mpp[0]], (tuned or untuned)[0]),
+            image_passes(r, [pretraining, mpp[0]], (tuned or untuned)[0]),
             conditions(r, [*mpp, *tuned, *untuned]),
         ]
         rows.append(f"| {' | '.join(cells)} |")
