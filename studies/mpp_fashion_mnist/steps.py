@@ -628,11 +628,12 @@ def scratch_lr_step(fraction: float, lr: str) -> Step:
     return Step(name, lambda: [*argv, *chosen_augmentation()], run / "results.json", run_dir=run)
 
 
-def chosen_scratch_lr(fraction: float) -> str:
-    """The lr of SCRATCH_LRS whose seed-0 run scored best on held-out (ties: the first)."""
+def chosen_scratch_lr(fraction: float, read: Callable[[str], dict] = _result) -> str:
+    """The lr of SCRATCH_LRS whose seed-0 run scored best on held-out (ties: the first), from
+    the results `read` returns by step name (the committed ones by default)."""
     scored = []
     for i, lr in enumerate(SCRATCH_LRS):
-        res = _result(scratch_lr_step(fraction, lr).name)
+        res = read(scratch_lr_step(fraction, lr).name)
         scored.append((res["selection_best_top1"], -i, lr))
     return max(scored)[2]
 

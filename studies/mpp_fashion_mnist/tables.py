@@ -203,13 +203,10 @@ def mpp_seed_arm(r: Results, fraction: float) -> list[str]:
 
 def tuned_scratch(r: Results, fraction: float) -> tuple[str | None, list[str]]:
     """(the lr from scratch's seed-0 grid chose on held-out, its steps by seed: the grid's run at
-    that lr, then seeds 1-2 as far as run); (None, []) while the grid is unfinished. Ties go to
-    the first lr of the grid, as `steps.chosen_scratch_lr`."""
-    held = [r.output(S.scratch_lr_step(fraction, lr).name) for lr in S.SCRATCH_LRS]
-    if any(out is None for out in held):
+    that lr, then seeds 1-2 as far as run); (None, []) while the grid is unfinished."""
+    if any(r.get(S.scratch_lr_step(fraction, lr).name) is None for lr in S.SCRATCH_LRS):
         return None, []
-    scored = [(out["selection_best_top1"], -i) for i, out in enumerate(held)]
-    lr = S.SCRATCH_LRS[-max(scored)[1]]
+    lr = S.chosen_scratch_lr(fraction, read=r.output)
     seeds = [S.scratch_lr_seed(fraction, s).name for s in S.SEEDS[1:]]
     # a seed trained at an earlier choice (before the grid grew) is stale: it reruns, unread
     seeds = [s for s in seeds if r.get(s) is not None and trained_lr(r, s) == float(lr)]
