@@ -90,6 +90,7 @@ def issue38_plan(r: Results) -> list[str]:
     """Issue 38's steps (`steps.next_runs`) and comparisons, fixed before they ran; what has run."""
     planned = S.next_runs()
     left = [s.name for s in planned if r.get(s.name) is None]
+    gpu_left = [s.name for s in S.gpu_seed_runs() if r.get(s.name) is None]
     lrs = ", ".join(S.SCRATCH_LRS)
     seeds = ", ".join(map(str, S.PRETRAIN_SEEDS))
     return [
@@ -113,6 +114,11 @@ def issue38_plan(r: Results) -> list[str]:
         "- The comparison, per share: MPP (three pretrainings) minus from scratch at its own lr, "
         "its 95% CI and Welch's p; the goal: the CI lies above 0. All these steps run on one "
         "machine (CPU, fp32, training data in RAM), each row naming its code version.",
+        "- The GPU track (its own table) under the same rules, fixed before those runs: MPP "
+        "pretraining seeds 1-2 beside the first run (seed 0), each fine-tuned once; from "
+        "scratch's lr grid at the GPU budget (seed 0 chooses on held-out) and seeds 1-2, a "
+        "preset-lr seed standing in where the grid chooses the preset's lr. Not run yet: "
+        f"{', '.join(gpu_left) if gpu_left else 'none'}.",
         "",
         f"{len(planned) - len(left)} of these {len(planned)} steps have run (`study.py status` "
         f"lists them; `study.py run` runs the rest, one at a time). Not run yet: "
@@ -191,7 +197,7 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
         ("4x4 patches (post hoc)", [T.P4_ARMS[0]], [T.P4_ARMS[1]]),
         ("longer schedule, 2-px shifts (post hoc)", [T.SHIFT_ARMS[0]], [T.SHIFT_ARMS[1]]),
         ("the paper's hybrid (post hoc)", [T.HYBRID_ARMS[0]], [T.HYBRID_ARMS[1]]),
-        ("the paper's hybrid, GPU bf16 (post hoc)", T.GPU_FT, T.GPU_SCRATCH),
+        ("the paper's hybrid, GPU bf16 (post hoc)", T.GPU_FT[:1], T.GPU_SCRATCH),
         *((f"{label} (post hoc)", [ft], [base]) for label, ft, base in T.FT_LONG),
     )
     for label, ft, base in pairs:
@@ -211,6 +217,11 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
         if len(x) == len(S.PRETRAIN_SEEDS) and tuned:
             label = f"{100 * f:g}% of the labels, three pretrainings, from scratch at lr {lr}"
             _gap_goal(lines, label, x, T.scores(r, tuned))
+    x = T.scores(r, T.GPU_FT)
+    lr, tuned = T.tuned_scratch(r, S.GPU_SWEEP, stand_ins=T.GPU_SCRATCH[1:])
+    if len(x) == len(T.GPU_FT) and tuned:
+        label = f"the hybrid on a GPU, three pretrainings, from scratch at lr {lr}"
+        _gap_goal(lines, label, x, T.scores(r, tuned))
     for label, ev, rand in READOUTS:
         for what, kind, key, goal in (
             ("kNN (k=20)", "knn", KNN, 87.0),

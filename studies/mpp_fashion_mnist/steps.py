@@ -122,6 +122,10 @@ GPU_RUN = ["train.compile=false", "run.checkpoint_every=2000", "run.log_every=50
 SCRATCH_LRS = ("5e-4", "1e-3", "2e-3", "4e-3")
 SCRATCH_SHARES = (0.01, 0.1, 0.3, 1.0)
 PRETRAIN_SEEDS = (0, 1, 2)  # run.seed of the pretrainings mpp_seed<s>, supervised_seed<s>
+# The same rules on the GPU track (issue 38 item 7): its grid sits beside the label shares'
+# (scratch_sweep/hybrid_gpu/), and MPP's pretraining seeds 1-2 (mpp_hybrid_gpu_seed<s>) beside
+# mpp_hybrid_gpu, which is seed 0.
+GPU_SWEEP = "hybrid_gpu"
 
 # What was fixed before any result and what was added after seeing results (the report's
 # "Study plan"). Post-hoc additions answer questions the earlier numbers raised: read them as
@@ -576,9 +580,9 @@ def gpu_track() -> list[Step]:
             name=f"ft_{mpp}_e{GPU_SPLIT[0]}_s{SEEDS[0]}",
             snapshot=GPU_SPLIT[0],
         ),
-        # every seed fine-tunes the one pretraining, with the 16-token sweep's lr, as the main
-        # comparison's seeds do
-        *(finetune(mpp, seed, GPU_FINETUNE_EPOCHS, lr_from, HYBRID[1], *GPU_RUN) for seed in SEEDS),
+        # seed 0's fine-tune, with the 16-token sweep's lr; seeds 1-2 fine-tune pretrainings of
+        # their own (gpu_seed_runs)
+        finetune(mpp, SEEDS[0], GPU_FINETUNE_EPOCHS, lr_from, HYBRID[1], *GPU_RUN),
         *(
             scratch(seed, GPU_SCRATCH_EPOCHS, "scratch_hybrid_gpu", *HYBRID, *GPU_RUN)
             for seed in SEEDS[1:]
@@ -600,55 +604,80 @@ def gpu_track() -> list[Step]:
     ]
 
 
-def scratch_sweep_dir(fraction: float) -> Path:
-    """runs/study/scratch_sweep/labels<share>/: one run directory per lr (lr=<value>/)."""
-    return STUDY / "scratch_sweep" / share_tag(fraction)
+def scratch_sweep_dir(share: float | str) -> Path:
+    """runs/study/scratch_sweep/<labels share or GPU_SWEEP>/: one run directory per lr."""
+    return STUDY / "scratch_sweep" / sweep_tag(share)
 
 
-def scratch_budget(fraction: float) -> list[str]:
+def sweep_tag(share: float | str) -> str:
+    """labels<percent> for a share of the labels; GPU_SWEEP names the GPU track's grid."""
+    return share if isinstance(share, str) else share_tag(share)
+
+
+def scratch_budget(share: float | str) -> list[str]:
     """From scratch's epochs and held-out schedule on a share of the labels (all: the main
-    comparison's 8 epochs, one evaluation per epoch)."""
-    if fraction == 1.0:
+    comparison's 8 epochs, one evaluation per epoch; GPU_SWEEP: the GPU track's hybrid)."""
+    if share == GPU_SWEEP:
+        every_epoch = ["data.train_fraction=1.0", "run.eval_every=0"]
+        return [f"train.epochs={GPU_SCRATCH_EPOCHS}", *every_epoch, *HYBRID, *GPU_RUN]
+    if share == 1.0:
         return [f"train.epochs={SCRATCH_EPOCHS}", "data.train_fraction=1.0", "run.eval_every=0"]
-    _, epochs, _, (share, every) = few_label_budget(fraction)
-    return [f"train.epochs={epochs}", share, every]
+    _, epochs, _, (fraction, every) = few_label_budget(share)
+    return [f"train.epochs={epochs}", fraction, every]
 
 
-def scratch_argv(fraction: float, run: Path, seed: int) -> list[str]:
+def scratch_argv(share: float | str, run: Path, seed: int) -> list[str]:
     """From scratch's command on a share of the labels, less its lr and augmentation."""
-    budget = scratch_budget(fraction)
+    budget = scratch_budget(share)
     return [SUPERVISED_PY, "--config", SUP, f"run.dir={run}", *COMMON, *budget, f"run.seed={seed}"]
 
 
-def scratch_lr_step(fraction: float, lr: str) -> Step:
+def scratch_lr_step(share: float | str, lr: str) -> Step:
     """Seed 0 of from scratch on a share of the labels at one lr of SCRATCH_LRS."""
-    run = scratch_sweep_dir(fraction) / f"lr={lr}"
-    argv = [*scratch_argv(fraction, run, SEEDS[0]), f"optim.lr={lr}"]
-    name = f"scratch_sweep/{share_tag(fraction)}/lr={lr}"
+    run = scratch_sweep_dir(share) / f"lr={lr}"
+    argv = [*scratch_argv(share, run, SEEDS[0]), f"optim.lr={lr}"]
+    name = f"scratch_sweep/{sweep_tag(share)}/lr={lr}"
     return Step(name, lambda: [*argv, *chosen_augmentation()], run / "results.json", run_dir=run)
 
 
-def chosen_scratch_lr(fraction: float, read: Callable[[str], dict] = _result) -> str:
+def chosen_scratch_lr(share: float | str, read: Callable[[str], dict] = _result) -> str:
     """The lr of SCRATCH_LRS whose seed-0 run scored best on held-out (ties: the first), from
     the results `read` returns by step name (the committed ones by default)."""
     scored = []
     for i, lr in enumerate(SCRATCH_LRS):
-        res = read(scratch_lr_step(fraction, lr).name)
+        res = read(scratch_lr_step(share, lr).name)
         scored.append((res["selection_best_top1"], -i, lr))
     return max(scored)[2]
 
 
-def scratch_lr_seed(fraction: float, seed: int) -> Step:
+def scratch_lr_seed(share: float | str, seed: int) -> Step:
     """From scratch on a share of the labels, seed `seed`, at the lr seed 0's runs chose."""
-    run = scratch_sweep_dir(fraction) / f"chosen_s{seed}"
-    argv = scratch_argv(fraction, run, seed)
-    name = f"scratch_sweep/{share_tag(fraction)}/chosen_s{seed}"
+    run = scratch_sweep_dir(share) / f"chosen_s{seed}"
+    argv = scratch_argv(share, run, seed)
+    name = f"scratch_sweep/{sweep_tag(share)}/chosen_s{seed}"
     return Step(
         name,
-        lambda: [*argv, f"optim.lr={chosen_scratch_lr(fraction)}", *chosen_augmentation()],
+        lambda: [*argv, f"optim.lr={chosen_scratch_lr(share)}", *chosen_augmentation()],
         run / "results.json",
         run_dir=run,
     )
+
+
+def gpu_seed_runs() -> list[Step]:
+    """Issue 38's rules on the GPU track: MPP pretraining seeds 1-2 beside mpp_hybrid_gpu
+    (seed 0), each fine-tuned once as seed 0 was; from scratch's own lr grid at the GPU budget
+    (seed 0 chooses on held-out, seeds 1-2 reuse)."""
+    steps = [scratch_lr_step(GPU_SWEEP, lr) for lr in SCRATCH_LRS]
+    steps += [scratch_lr_seed(GPU_SWEEP, seed) for seed in SEEDS[1:]]
+    for seed in PRETRAIN_SEEDS[1:]:
+        name = f"mpp_hybrid_gpu_seed{seed}"
+        epochs = GPU_PRETRAIN_EPOCHS
+        args = [*HYBRID, *GPU_RUN, f"run.seed={seed}"]
+        steps.append(pretrain(name, MPP, PRETRAIN_PY, *args, epochs=epochs, snapshots=(epochs,)))
+        steps.append(finetune(name, seed, GPU_FINETUNE_EPOCHS, "ft_mpp_s0", HYBRID[1], *GPU_RUN))
+    for step in steps:
+        step.gpu = True
+    return steps
 
 
 def next_runs() -> list[Step]:
@@ -777,4 +806,5 @@ def plan() -> list[Step]:
         *label_scarce(),
         *gpu_track(),
         *next_runs(),
+        *gpu_seed_runs(),
     ]

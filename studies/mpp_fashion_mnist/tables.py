@@ -42,8 +42,12 @@ FT_LONG = tuple(
     for e in S.FT_LONG_EPOCHS
 )
 # the hybrid at the GPU budget, by seed, and the 20 + 30 split
-GPU_FT = [f"ft_mpp_hybrid_gpu_s{s}" for s in S.SEEDS]
-GPU_SCRATCH = [f"scratch_hybrid_gpu_s{s}" for s in S.SEEDS]
+# the GPU track's MPP: three pretrainings (mpp_hybrid_gpu is seed 0), each fine-tuned once
+GPU_FT = [
+    "ft_mpp_hybrid_gpu_s0",
+    *(f"ft_mpp_hybrid_gpu_seed{s}_s{s}" for s in S.PRETRAIN_SEEDS[1:]),
+]
+GPU_SCRATCH = [f"scratch_hybrid_gpu_s{s}" for s in S.SEEDS]  # at the preset's lr
 GPU_SPLIT_ARM = f"ft_mpp_hybrid_gpu_e{S.GPU_SPLIT[0]}_s0"
 # the main pretraining fine-tuned on a share of the labels, and from scratch on it: by seed
 FEW = tuple(
@@ -201,16 +205,24 @@ def mpp_seed_arm(r: Results, fraction: float) -> list[str]:
     return names
 
 
-def tuned_scratch(r: Results, fraction: float) -> tuple[str | None, list[str]]:
+def tuned_scratch(
+    r: Results, share: float | str, stand_ins: list[str] | None = None
+) -> tuple[str | None, list[str]]:
     """(the lr from scratch's seed-0 grid chose on held-out, its steps by seed: the grid's run at
-    that lr, then seeds 1-2 as far as run); (None, []) while the grid is unfinished."""
-    if any(r.get(S.scratch_lr_step(fraction, lr).name) is None for lr in S.SCRATCH_LRS):
+    that lr, then seeds 1-2 as far as run); (None, []) while the grid is unfinished. A seed
+    without a run at the chosen lr takes its `stand_ins` step (seeds 1-2, the same command but
+    the lr) when that one trained at the chosen lr."""
+    if any(r.get(S.scratch_lr_step(share, lr).name) is None for lr in S.SCRATCH_LRS):
         return None, []
-    lr = S.chosen_scratch_lr(fraction, read=r.output)
-    seeds = [S.scratch_lr_seed(fraction, s).name for s in S.SEEDS[1:]]
-    # a seed trained at an earlier choice (before the grid grew) is stale: it reruns, unread
-    seeds = [s for s in seeds if r.get(s) is not None and trained_lr(r, s) == float(lr)]
-    return lr, [S.scratch_lr_step(fraction, lr).name, *seeds]
+    lr = S.chosen_scratch_lr(share, read=r.output)
+    seeds = []
+    for i, seed in enumerate(S.SEEDS[1:]):
+        # a seed trained at an earlier choice (before the grid grew) is stale: it reruns, unread
+        for step in (S.scratch_lr_seed(share, seed).name, *(stand_ins or [])[i : i + 1]):
+            if r.get(step) is not None and trained_lr(r, step) == float(lr):
+                seeds.append(step)
+                break
+    return lr, [S.scratch_lr_step(share, lr).name, *seeds]
 
 
 def trained_lr(r: Results, step: str) -> float | None:
@@ -220,6 +232,40 @@ def trained_lr(r: Results, step: str) -> float | None:
     return None if lr is None else float(lr)
 
 
+def seed_row(
+    r: Results, label: str, mpp: list[str], pretraining: str, tuned: tuple, untuned: list[str]
+) -> str | None:
+    """A row of SEEDS_HEADER: MPP over its pretraining seeds (`pretraining`: seed 0's run, for
+    the image passes) against from scratch at its own lr (`tuned`: tuned_scratch's answer) and
+    at the preset's; None until every pretraining has its fine-tune."""
+    lr, steps = tuned
+    x, y, z = scores(r, mpp), scores(r, steps), scores(r, untuned)
+    if len(x) < len(mpp):  # a row is shown with all three pretrainings or not at all
+        return None
+    origins = ", ".join(st.text() if st else "-" for st in (start(r, s) for s in mpp))
+    cells = [
+        label,
+        f"{mean_std_text(x)}: {', '.join(f'{100 * v:.2f}' for v in x)}",
+        origins,
+        f"{mean_std_text(y)} at lr {lr}" if y else "grid unfinished",
+        welch_text(x, y) if len(y) > 1 else "-",
+        mean_std_text(z) if z else "-",
+        welch_text(x, z) if len(z) > 1 else "-",
+        image_passes(r, [pretraining, mpp[0]], (steps or untuned)[0]),
+        conditions(r, [*mpp, *steps, *untuned]),
+    ]
+    return f"| {' | '.join(cells)} |"
+
+
+SEEDS_HEADER = [
+    "| labels | MPP, three pretrainings: mean ± std: per seed | MPP started from | from scratch, "
+    "own lr (chosen on held-out) | MPP minus from scratch, own lr [95% CI], Welch p | from "
+    "scratch, preset lr 1e-3 | MPP minus from scratch, preset lr [95% CI], Welch p | image "
+    "passes: MPP; from scratch | code; machine |",
+    "|---|---|---|---|---|---|---|---|---|",
+]
+
+
 def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
     """Issue 38's comparison: MPP over three pretraining seeds against from scratch at the lr
     its own grid chose on held-out, per share of the labels; the untuned arm beside it."""
@@ -227,24 +273,9 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
     for f in S.SCRATCH_SHARES:
         mpp = mpp_seed_arm(r, f)
         untuned = a["scratch"] if f == 1.0 else UNTUNED_SCRATCH[f]
-        lr, tuned = tuned_scratch(r, f)
-        x, y, z = scores(r, mpp), scores(r, tuned), scores(r, untuned)
-        if len(x) < len(mpp):  # a row is shown with all three pretrainings or not at all
-            continue
-        origins = ", ".join(st.text() if st else "-" for st in (start(r, s) for s in mpp))
         pretraining = "mpp_seed0" if mpp[0].startswith("ft_mpp_seed0") else "mpp"  # seed 0's
-        cells = [
-            f"{100 * f:g}%",
-            f"{mean_std_text(x)}: {', '.join(f'{100 * v:.2f}' for v in x)}",
-            origins,
-            f"{mean_std_text(y)} at lr {lr}" if y else "grid unfinished",
-            welch_text(x, y) if y else "-",
-            mean_std_text(z),
-            welch_text(x, z) if z else "-",
-            image_passes(r, [pretraining, mpp[0]], (tuned or untuned)[0]),
-            conditions(r, [*mpp, *tuned, *untuned]),
-        ]
-        rows.append(f"| {' | '.join(cells)} |")
+        row = seed_row(r, f"{100 * f:g}%", mpp, pretraining, tuned_scratch(r, f), untuned)
+        rows += [row] if row else []
     if not rows:
         return []
     supervised = [f"ft_supervised_seed{s}_s{s}" for s in S.PRETRAIN_SEEDS]
@@ -267,11 +298,7 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
         "run. Beside them, from scratch at the supervised preset's lr (the arm above). "
         "Differences: MPP minus from scratch in points, 95% CI and Welch's p.",
         "",
-        "| labels | MPP, three pretrainings: mean ± std: per seed | MPP started from | from "
-        "scratch, own lr (chosen on held-out) | MPP minus from scratch, own lr [95% CI], Welch "
-        "p | from scratch, preset lr 1e-3 | MPP minus from scratch, preset lr [95% CI], Welch "
-        "p | image passes: MPP; from scratch | code; machine |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *SEEDS_HEADER,
         *rows,
     ]
 
@@ -312,11 +339,12 @@ def headline(r: Results) -> list[str]:
     return lines
 
 
-def scratch_lr_grid(r: Results) -> list[str]:
-    """From scratch's own lr grid per share (seed 0, chosen on held-out), as far as it has run:
-    the tuning MPP's fine-tuning already had."""
+def grid_rows(r: Results, shares: tuple) -> tuple[list[str], list[str]]:
+    """Rows of from scratch's lr grid per share (as far as run), and the shares whose choice
+    sits on an edge of the grid."""
     rows, edges = [], []
-    for f in S.SCRATCH_SHARES:
+    for f in shares:
+        label = "100%" if f == S.GPU_SWEEP else f"{100 * f:g}%"
         held, tests = [], {}
         for lr in S.SCRATCH_LRS:
             out = r.output(S.scratch_lr_step(f, lr).name)
@@ -329,9 +357,22 @@ def scratch_lr_grid(r: Results) -> list[str]:
         best = max(tests, key=lambda lr: tests[lr][0])
         chosen = f"{best} (test top-1 {100 * tests[best][1]:.2f})" if done else "grid unfinished"
         if done and best in (S.SCRATCH_LRS[0], S.SCRATCH_LRS[-1]):
-            edges.append(f"{100 * f:g}% ({best})")
+            edges.append(f"{label} ({best})")
         steps = [S.scratch_lr_step(f, lr).name for lr in tests]
-        rows.append(f"| {100 * f:g}% | {', '.join(held)} | {chosen} | {conditions(r, steps)} |")
+        rows.append(f"| {label} | {', '.join(held)} | {chosen} | {conditions(r, steps)} |")
+    return rows, edges
+
+
+GRID_HEADER = [
+    "| labels | held-out top-1 per lr | chosen lr | code; machine |",
+    "|---|---|---|---|",
+]
+
+
+def scratch_lr_grid(r: Results) -> list[str]:
+    """From scratch's own lr grid per share (seed 0, chosen on held-out), as far as it has run:
+    the tuning MPP's fine-tuning already had."""
+    rows, edges = grid_rows(r, S.SCRATCH_SHARES)
     if not rows:
         return []
     return [
@@ -347,8 +388,7 @@ def scratch_lr_grid(r: Results) -> list[str]:
             else ""
         ),
         "",
-        "| labels | held-out top-1 per lr | chosen lr | code; machine |",
-        "|---|---|---|---|",
+        *GRID_HEADER,
         *rows,
     ]
 
@@ -527,13 +567,22 @@ def gpu_tables(r: Results, a: dict[str, list[str]]) -> list[str]:
     """The runs on one GPU in bf16: apart from the CPU's fp32 rows (another device, precision
     and code version), the frozen evaluations of their exports with them."""
     reused = reused_lr(r, a)
+    tuned = tuned_scratch(r, S.GPU_SWEEP, stand_ins=GPU_SCRATCH[1:])
+    seeds = seed_row(r, "100%", GPU_FT, "mpp_hybrid_gpu", tuned, GPU_SCRATCH)
     rows = [
-        (
-            f"MPP {S.GPU_PRETRAIN_EPOCHS} + {S.GPU_FINETUNE_EPOCHS} epochs, fine-tuned",
-            GPU_FT,
-            reused,
+        # until seeds 1-2 have their pretrainings: seed 0's row alone, as before issue 38
+        *(
+            []
+            if seeds
+            else [
+                (
+                    f"MPP {S.GPU_PRETRAIN_EPOCHS} + {S.GPU_FINETUNE_EPOCHS} epochs, fine-tuned",
+                    GPU_FT[:1],
+                    reused,
+                )
+            ]
         ),
-        (f"from scratch, {S.GPU_SCRATCH_EPOCHS} epochs", GPU_SCRATCH, NOT_SWEPT),
+        (f"from scratch, {S.GPU_SCRATCH_EPOCHS} epochs, preset lr", GPU_SCRATCH, NOT_SWEPT),
         (
             f"MPP: the epoch-{S.GPU_SPLIT[0]} snapshot fine-tuned {S.GPU_SPLIT[1]} epochs (the "
             "same 50 epochs split)",
@@ -555,16 +604,31 @@ def gpu_tables(r: Results, a: dict[str, list[str]]) -> list[str]:
         return []
     lines = [
         "",
-        "## The paper's hybrid on one GPU (bf16; post hoc, single seed)",
+        "## The paper's hybrid on one GPU (bf16; post hoc)",
         "",
-        "Trained on one GPU with `train.precision=auto` (bf16), at another code version than "
-        "the CPU runs: compare these rows with each other, not with the CPU tables. The "
-        "pretraining ran " + f"{S.GPU_PRETRAIN_EPOCHS} epochs; the frozen evaluations of its "
-        "snapshots ran on a CPU.",
-        "",
-        *ARM_HEADER,
-        *body,
+        "Trained on one GPU with `train.precision=auto` (bf16), at other code versions than "
+        "the CPU runs: compare these rows with each other, not with the CPU tables. MPP "
+        f"pretrains {S.GPU_PRETRAIN_EPOCHS} epochs and fine-tunes {S.GPU_FINETUNE_EPOCHS} at lr "
+        f"{reused}; from scratch trains {S.GPU_SCRATCH_EPOCHS}. The frozen "
+        "evaluations of the first pretraining's snapshots ran on a CPU.",
     ]
+    if seeds:
+        lines += [
+            "",
+            "Issue 38's rules on this budget: MPP over three pretrainings (seed 0 is the first "
+            "run), each fine-tuned once, against from scratch at the lr its own seed-0 grid "
+            f"chose on held-out ({', '.join(S.SCRATCH_LRS)}), seeds 1-2 at that lr. A preset-lr "
+            "seed stands in for a seed of the tuned arm when the grid chose the preset's lr.",
+            "",
+            *SEEDS_HEADER,
+            seeds,
+        ]
+    grid, edges = grid_rows(r, (S.GPU_SWEEP,))
+    if grid:
+        edge = f" The choice is at an edge of the grid ({edges[0]})." if edges else ""
+        lines += ["", f"From scratch's lr grid on this budget (seed 0).{edge}", "", *GRID_HEADER]
+        lines += grid
+    lines += ["", *ARM_HEADER, *body]
     if frozen_rows:
         lines += ["", *FROZEN_HEADER, *frozen_rows]
     return lines
