@@ -61,7 +61,7 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || ex
             >runs/study/device/shards.log 2>&1 || { tail -5 runs/study/device/shards.log; exit 1; }
     echo "shards ready at $(elapsed) s"
     i=0
-    IFS=';' read -ra chain_list <<<"$CHAINS"
+    IFS=';' read -ra chain_list <<<"$(echo "$CHAINS" | tr '\n' ' ')"  # one line: read stops at a newline
     for chain in "${chain_list[@]}"; do
         # shellcheck disable=SC2086  # a chain is a list of step names
         MLFLOW_TRACKING_URI="sqlite:///runs/study/device/mlflow_$i.db" setsid \
