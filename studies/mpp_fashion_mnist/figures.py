@@ -148,7 +148,7 @@ def label_figure(r, out: Path, shares: list[tuple[float, list[str], list[str]]])
     compute: (share, MPP fine-tune steps, from-scratch steps) per point, mean and std of seeds."""
     from studies.mpp_fashion_mnist.records import arm_scores, mean_std
 
-    lines = {"MPP, fine-tuned": [], "from scratch": []}
+    lines = {"MPP, three pretrainings": [], "from scratch, lr chosen on held-out": []}
     for share, *arms in shares:
         for pts, steps in zip(lines.values(), arms, strict=True):
             if scores := arm_scores(r, steps):

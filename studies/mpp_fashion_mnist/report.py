@@ -317,21 +317,17 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
     ]
     lines += T.headline(r)
     lines += plan_section(r)
-    lines += T.main_table(r, a)
-    lines += T.label_scarce(r, a)
     lines += T.seeds_table(r, a)
     lines += T.scratch_lr_grid(r)
-    lines += T.pretraining_seeds(r)
-    shares = [(1.0, a["mpp"], a["scratch"])]
-    shares += [(f, ft, base) for f, (_, ft, base) in zip(S.FEW_LABELS, T.FEW, strict=True)]
-    # one pretraining per point: the share's MPP seeds of its largest row in the table
-    shares = [
-        (f, max((g for _, g in by_start(r, ft)), key=len, default=[]), base)
-        for f, ft, base in shares
-    ]
+    # the main comparison against the labels: MPP's three pretrainings, from scratch at its own lr
+    shares = [(f, T.mpp_seed_arm(r, f), T.tuned_scratch(r, f)[1]) for f in S.SCRATCH_SHARES]
     label_fig = label_figure(r, root / results / "labels.png", shares)
-    caption = "MPP (the seeds of one pretraining per share) vs from scratch against the labels"
+    caption = "MPP (three pretrainings) vs from scratch at its own lr, against the labels"
     lines += figure_lines(label_fig, caption, here)
+    lines += T.first_runs(r, a)
+    lines += T.main_table(r, a)
+    lines += T.label_scarce(r, a)
+    lines += T.pretraining_seeds(r)
     lines += T.longer_schedule(r, a)
     lines += T.gpu_tables(r, a)
     random_rows = [

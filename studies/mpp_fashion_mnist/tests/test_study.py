@@ -491,3 +491,39 @@ def test_seeds_table_tests_three_pretrainings_against_the_tuned_arm(tmp_path):
     assert "| 74.33 ± 1.53 (n=3): 76.00, 74.00, 73.00 |" in "\n".join(
         tables.seeds_table(r, tables.arms())
     )
+
+
+def test_gpu_track_follows_issue_38s_rules(tmp_path):
+    """On the GPU track: seeds 1-2 pretrain MPP again and fine-tune it once; from scratch gets
+    the grid at the GPU budget; a preset-lr seed stands in for the tuned arm only when the grid
+    chose the preset's lr, and the GPU row waits for all three pretrainings."""
+    gpu = {s.name: s for s in steps.gpu_seed_runs()}
+    assert all(s.gpu for s in gpu.values())
+    ft = gpu["ft_mpp_hybrid_gpu_seed2_s2"]
+    assert ft.needs == ("mpp_hybrid_gpu_seed2",)
+    grid = " ".join(gpu["scratch_sweep/hybrid_gpu/lr=4e-3"].args())
+    assert f"train.epochs={steps.GPU_SCRATCH_EPOCHS}" in grid and "model.img_size=32" in grid
+    assert "run.seed=1" in " ".join(gpu["mpp_hybrid_gpu_seed1"].args())
+    # the CPU study's runner leaves them alone unless named
+    assert not any(s.gpu for s in steps.next_runs())
+
+    r = Results(tmp_path)
+    for s, v in zip(tables.GPU_FT[:2], (0.91, 0.92), strict=True):
+        _write(tmp_path, s, {"selected_top1": v})
+    held = {"5e-4": 0.90, "1e-3": 0.93, "2e-3": 0.92, "4e-3": 0.91}
+    for lr, h in held.items():
+        result = {"selection_best_top1": h, "selected_top1": h - 0.01}
+        _write(tmp_path, steps.scratch_lr_step(steps.GPU_SWEEP, lr).name, result)
+    preset = {"config": {"optim": {"lr": 0.001}}}
+    for s in tables.GPU_SCRATCH:
+        _write(tmp_path, s, {"selected_top1": 0.915}, recipe=preset)
+    lr, tuned = tables.tuned_scratch(r, steps.GPU_SWEEP, stand_ins=tables.GPU_SCRATCH[1:])
+    assert (lr, tuned[1:]) == ("1e-3", tables.GPU_SCRATCH[1:])
+    assert "Issue 38's rules" not in "\n".join(tables.gpu_tables(r, tables.arms()))
+    _write(tmp_path, tables.GPU_FT[2], {"selected_top1": 0.93})
+    assert "| 100% | 92.00 ± 1.00 (n=3)" in "\n".join(tables.gpu_tables(r, tables.arms()))
+    # the grid now chooses 2e-3: the preset-lr seeds no longer count
+    result = {"selection_best_top1": 0.95, "selected_top1": 0.94}
+    _write(tmp_path, steps.scratch_lr_step(steps.GPU_SWEEP, "2e-3").name, result)
+    lr, tuned = tables.tuned_scratch(r, steps.GPU_SWEEP, stand_ins=tables.GPU_SCRATCH[1:])
+    assert (lr, tuned) == ("2e-3", [steps.scratch_lr_step(steps.GPU_SWEEP, "2e-3").name])
