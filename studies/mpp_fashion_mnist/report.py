@@ -104,7 +104,7 @@ def issue38_plan(r: Results) -> list[str]:
         "scratch's was not: this removes that asymmetry. The grid had three values until the "
         "10% share's held-out best fell on its upper edge (2e-3); 4e-3 was then added at every "
         "share, which also gives from scratch the four values of MPP's sweep. Weight decay "
-        "stays each preset's (fine-tuning 0, the paper's; from scratch 0.1): MPP's sweep tunes "
+        "stays each preset's (fine-tuning 0, from scratch 0.1): MPP's sweep tunes "
         "the lr alone, so an lr grid of as many values is the same tuning budget.",
         f"- MPP pretraining seeds {seeds} (`run.seed`), each fine-tuned once on all the labels "
         "and once on each share, at the lr seed 0's sweep chose there: three pretraining seeds "
