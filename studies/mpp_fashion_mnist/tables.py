@@ -597,14 +597,14 @@ def gpu_tables(r: Results, a: dict[str, list[str]]) -> list[str]:
     tuned = tuned_scratch(r, S.GPU_SWEEP, stand_ins=GPU_SCRATCH[1:])
     seeds = seed_row(r, "100%", GPU_FT, "mpp_hybrid_gpu", tuned, GPU_SCRATCH)
     rows = [
-        # until seeds 1-2 have their pretrainings: seed 0's row alone, as before issue 38
+        # until all three pretrainings have their fine-tunes: a row per pretraining run so far
         *(
             []
             if seeds
             else [
                 (
                     f"MPP {S.GPU_PRETRAIN_EPOCHS} + {S.GPU_FINETUNE_EPOCHS} epochs, fine-tuned",
-                    GPU_FT[:1],
+                    GPU_FT,
                     reused,
                 )
             ]
