@@ -250,7 +250,12 @@ def trained_lr(r: Results, step: str) -> float | None:
 
 
 def seed_row(
-    r: Results, label: str, mpp: list[str], pretraining: str, tuned: tuple, untuned: list[str]
+    r: Results,
+    label: str,
+    mpp: list[str],
+    pretraining: str,
+    tuned: tuple[str | None, list[str]],
+    untuned: list[str],
 ) -> str | None:
     """A row of SEEDS_HEADER: MPP over its pretraining seeds (`pretraining`: seed 0's run, for
     the image passes) against from scratch at its own lr (`tuned`: tuned_scratch's answer) and
@@ -366,7 +371,7 @@ def headline(r: Results) -> list[str]:
     return lines
 
 
-def grid_rows(r: Results, shares: tuple) -> tuple[list[str], list[str]]:
+def grid_rows(r: Results, shares: tuple[float | str, ...]) -> tuple[list[str], list[str]]:
     """Rows of from scratch's lr grid per share (as far as run), and the shares whose choice
     sits on an edge of the grid."""
     rows, edges = [], []
