@@ -335,10 +335,14 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
     ]
 
 
+def _shares(shares: list[str]) -> str:
+    return ", ".join(shares) + " of the labels" if shares else "no share"
+
+
 def headline(r: Results) -> list[str]:
     """The study's answer so far, per share of the labels: MPP over three pretrainings minus
     from scratch at its own lr (where that arm has 2+ seeds), with its 95% CI."""
-    said, waiting = [], []
+    said, waiting, above, below, level = [], [], [], [], []
     for f in S.SCRATCH_SHARES:
         x = scores(r, mpp_seed_arm(r, f))
         lr, tuned = tuned_scratch(r, f)
@@ -347,7 +351,8 @@ def headline(r: Results) -> list[str]:
             waiting.append(f"{100 * f:g}%")
             continue
         w = welch(x, y)
-        verdict = "above 0" if w.low > 0 else ("below 0" if w.high < 0 else "includes 0")
+        verdict = "lies above 0" if w.low > 0 else ("lies below 0" if w.high < 0 else "includes 0")
+        (above if w.low > 0 else below if w.high < 0 else level).append(f"{100 * f:g}%")
         said.append(
             f"- {100 * f:g}% of the labels: {100 * w.diff:+.2f} points [{100 * w.low:+.2f}, "
             f"{100 * w.high:+.2f}] (Welch p={w.p:.2g}; MPP {mean_std_text(x)}, from scratch at "
@@ -360,6 +365,9 @@ def headline(r: Results) -> list[str]:
             "like MPP's fine-tuning, test top-1 with its 95% CI:",
             "",
             *said,
+            "",
+            f"MPP is ahead (the goal: the interval above 0) at {_shares(above)}; behind at "
+            f"{_shares(below)}; not told apart at {_shares(level)}.",
         ]
     if waiting:
         lines += [
