@@ -485,6 +485,7 @@ def test_seeds_table_tests_three_pretrainings_against_the_tuned_arm(tmp_path):
     head = "\n".join(tables.headline(r))
     assert f"- 1% of the labels: +3.00 points [{100 * w.low:+.2f}" in head
     assert "Not yet answered at 10%, 30%, 100% of the labels" in head
+    assert "ahead (the goal: the interval above 0) at 1% of the labels; behind at no share" in head
     # seed 0 pretrained again with seeds 1-2's code: its fine-tune replaces the first run's
     _write(tmp_path, "ft_mpp_seed0_labels1_s0", {"selected_top1": 0.76})
     assert tables.mpp_seed_arm(r, 0.01)[0] == "ft_mpp_seed0_labels1_s0"
