@@ -213,17 +213,17 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
             origin = f", MPP from {st.text()}" if st else ""
             if x and y:
                 _gap_goal(lines, f"{label} (post hoc){origin}", x, y)
-    for f in S.SCRATCH_SHARES:  # issue 38: three pretrainings against the tuned from scratch
-        x = T.scores(r, T.mpp_seed_arm(r, f))
-        lr, tuned = T.tuned_scratch(r, f)
-        if len(x) == len(S.PRETRAIN_SEEDS) and tuned:
-            label = f"{100 * f:g}% of the labels, three pretrainings, from scratch at lr {lr}"
+    # issue 38: three pretrainings against the tuned from scratch, per share and on the GPU
+    arms = [
+        (f, T.mpp_seed_arm(r, f), None, f"{100 * f:g}% of the labels") for f in S.SCRATCH_SHARES
+    ]
+    arms.append((S.GPU_SWEEP, T.GPU_FT, T.GPU_SCRATCH[1:], "the hybrid on a GPU"))
+    for share, mpp, stand_ins, where in arms:
+        x = T.scores(r, mpp)
+        lr, tuned = T.tuned_scratch(r, share, stand_ins=stand_ins)
+        if len(x) == len(mpp) and tuned:
+            label = f"{where}, three pretrainings, from scratch at lr {lr}"
             _gap_goal(lines, label, x, T.scores(r, tuned))
-    x = T.scores(r, T.GPU_FT)
-    lr, tuned = T.tuned_scratch(r, S.GPU_SWEEP, stand_ins=T.GPU_SCRATCH[1:])
-    if len(x) == len(T.GPU_FT) and tuned:
-        label = f"the hybrid on a GPU, three pretrainings, from scratch at lr {lr}"
-        _gap_goal(lines, label, x, T.scores(r, tuned))
     for label, ev, rand in READOUTS:
         for what, kind, key, goal in (
             ("kNN (k=20)", "knn", KNN, 87.0),
