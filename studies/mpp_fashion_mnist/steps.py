@@ -354,7 +354,7 @@ def scratch(
     )
 
 
-def finetune_hires(pretrain: str, epochs: int) -> Step:
+def finetune_hires(pretrain: str, epochs: int, lr_from: str | None = None) -> Step:
     """Fine-tuning at the higher resolution of the paper's recipe (appendix B.1.1: the patch
     size kept, the position embeddings 2-D interpolated), with the lr the pretraining's 28 px
     sweep chose on held-out; about 2.4x the compute per image of 28 px (36 tokens, not 16)."""
@@ -378,7 +378,7 @@ def finetune_hires(pretrain: str, epochs: int) -> Step:
         f"model.init_from={STUDY / pretrain}",
         f"run.seed={SEEDS[0]}",
     ]
-    lr_step = f"ft_{pretrain}_s{SEEDS[0]}"
+    lr_step = lr_from or f"ft_{pretrain}_s{SEEDS[0]}"
     return Step(
         name,
         lambda: [*argv, *chosen_augmentation(), f"optim.lr={chosen_lr(lr_step)}"],
@@ -703,6 +703,43 @@ def next_runs() -> list[Step]:
     return steps
 
 
+def provenance_reruns() -> list[Step]:
+    """Issue 38 item 3: the post-hoc fine-tunes whose JSONs do not record the weights they
+    started from, run again from pretrainings that do. The longer fine-tunes read mpp_seed0 (the
+    main comparison's seed 0); the other pretrainings run again at seed 0 as <name>_seed0. Each
+    reuses the lr its first run used (chosen on held-out, or the 16-token sweep's); from
+    scratch needs no weights, so its first runs stay."""
+    steps = []
+    for epochs in FT_LONG_EPOCHS:
+        ft, _ = ft_long_arms(epochs)
+        name = ft.replace("ft_mpp_", "ft_mpp_seed0_")
+        steps.append(finetune("mpp_seed0", SEEDS[0], epochs, f"ft_mpp_s{SEEDS[0]}", name=name))
+    py, seed = PRETRAIN_PY, f"run.seed={SEEDS[0]}"
+    long = {"epochs": LONG_PRETRAIN_EPOCHS, "snapshots": (LONG_PRETRAIN_EPOCHS,)}
+    steps += [
+        pretrain("mpp_long_seed0", MPP, py, seed, **long),
+        finetune("mpp_long_seed0", SEEDS[0], LONG_FINETUNE_EPOCHS, f"ft_mpp_long_s{SEEDS[0]}"),
+        pretrain("mpp_hybrid_seed0", MPP, py, *HYBRID, seed, snapshots=(PRETRAIN_EPOCHS,)),
+        finetune("mpp_hybrid_seed0", SEEDS[0], FINETUNE_EPOCHS, "ft_mpp_s0", HYBRID[1]),
+        pretrain("mixer_seed0", MIXER, py, seed, snapshots=(PRETRAIN_EPOCHS,)),
+        finetune("mixer_seed0", SEEDS[0], FINETUNE_EPOCHS, f"ft_mixer_s{SEEDS[0]}"),
+        finetune_hires("mpp_long_seed0", LONG_FINETUNE_EPOCHS, "ft_mpp_long_s0"),
+        pretrain("mpp_long_shift_seed0", MPP, py, *SHIFT, seed, **long),
+        finetune("mpp_long_shift_seed0", SEEDS[0], LONG_FINETUNE_EPOCHS, "ft_mpp_long_s0", *SHIFT),
+        pretrain(
+            "mpp_p4_seed0",
+            MPP,
+            py,
+            *P4,
+            seed,
+            epochs=P4_PRETRAIN_EPOCHS,
+            snapshots=(P4_PRETRAIN_EPOCHS,),
+        ),
+        finetune("mpp_p4_seed0", SEEDS[0], P4_FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}"),
+    ]
+    return steps
+
+
 def plan() -> list[Step]:
     """In order of what matters most, so a partial study still answers the main questions."""
     py, sup_py = PRETRAIN_PY, SUPERVISED_PY
@@ -807,4 +844,5 @@ def plan() -> list[Step]:
         *gpu_track(),
         *next_runs(),
         *gpu_seed_runs(),
+        *provenance_reruns(),
     ]
