@@ -15,7 +15,7 @@
 #
 # CHAINS: the steps, chains separated by ';', each chain's steps run one after the other by
 # `study.py run --only` (a step with a committed result is skipped). The default is issue 38's
-# rules on the GPU track: MPP pretraining seeds 1-2 and their fine-tunes, from scratch's lr grid
+# rules on the GPU track: MPP pretraining seeds 0-2 and their fine-tunes, from scratch's lr grid
 # and from scratch seeds 1-2 at the preset's lr. A small model leaves a GPU mostly idle between
 # kernel launches, so the chains share it. Each chain logs to its own MLflow store (one SQLite
 # file per writer).
@@ -33,7 +33,8 @@ WORK=${WORK:-/tmp/gpu_track_tree}
 FMNIST=${FMNIST:-.fmnist}
 WHEELS=${WHEELS:-.whl}
 PY=${PY:-python3}
-CHAINS=${CHAINS:-"mpp_hybrid_gpu_seed1 ft_mpp_hybrid_gpu_seed1_s1;
+CHAINS=${CHAINS:-"mpp_hybrid_gpu_seed0 ft_mpp_hybrid_gpu_seed0_s0;
+mpp_hybrid_gpu_seed1 ft_mpp_hybrid_gpu_seed1_s1;
 mpp_hybrid_gpu_seed2 ft_mpp_hybrid_gpu_seed2_s2;
 scratch_sweep/hybrid_gpu/lr=5e-4; scratch_sweep/hybrid_gpu/lr=1e-3;
 scratch_sweep/hybrid_gpu/lr=2e-3; scratch_sweep/hybrid_gpu/lr=4e-3;

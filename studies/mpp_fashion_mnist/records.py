@@ -169,11 +169,27 @@ def one_start(label: str, starts: list[Start | None]) -> Start | None:
     return next(iter(known), None)
 
 
+def shown(r: Results, step: str) -> bool:
+    """Whether `step` has a result a table may show: one that started from nothing (from
+    scratch, a random init, raw pixels) or records the sha256 of the weights it started from.
+    A result without it cannot say which pretraining it read, so no row holds it (issue 38)."""
+    if r.get(step) is None:
+        return False
+    st = start(r, step)
+    return st is None or st.sha256 is not None
+
+
+def unrecorded(r: Results, steps: list[str]) -> list[str]:
+    """The steps among `steps` whose results do not record the weights they started from."""
+    return [s for s in steps if r.get(s) is not None and not shown(r, s)]
+
+
 def by_start(r: Results, steps: list[str]) -> list[tuple[Start | None, list[str]]]:
-    """`steps` grouped by the pretraining they started from, in order of first appearance."""
+    """`steps` grouped by the pretraining they started from, in order of first appearance;
+    results that do not record their weights are left out."""
     groups: dict[Start | None, list[str]] = {}
     for step in steps:
-        if r.get(step) is not None:
+        if shown(r, step):
             groups.setdefault(start(r, step), []).append(step)
     return list(groups.items())
 

@@ -22,6 +22,8 @@ from studies.mpp_fashion_mnist.records import (
     by_start,
     mean_std,
     readout_label,
+    shown,
+    unrecorded,
 )
 from studies.mpp_fashion_mnist.stats import welch
 
@@ -91,6 +93,8 @@ def issue38_plan(r: Results) -> list[str]:
     planned = S.next_runs()
     left = [s.name for s in planned if r.get(s.name) is None]
     gpu_left = [s.name for s in S.gpu_seed_runs() if r.get(s.name) is None]
+    reruns = [s.name for s in S.provenance_reruns()]
+    rerun_left = [name for name in reruns if r.get(name) is None]
     lrs = ", ".join(S.SCRATCH_LRS)
     seeds = ", ".join(map(str, S.PRETRAIN_SEEDS))
     return [
@@ -117,7 +121,8 @@ def issue38_plan(r: Results) -> list[str]:
         "its 95% CI and Welch's p; the goal: the CI lies above 0. All these steps run on one "
         "machine (CPU, fp32, training data in RAM), each row naming its code version.",
         "- The GPU track (its own table) under the same rules, fixed before those runs: MPP "
-        "pretraining seeds 1-2 beside the first run (seed 0), each fine-tuned once; from "
+        "pretraining seeds 1-2 beside the first run (seed 0), each fine-tuned once (seed 0 "
+        "pretrained again too, below); from "
         "scratch's lr grid at the GPU budget (seed 0 chooses on held-out) and seeds 1-2, a "
         "preset-lr seed standing in where the grid chooses the preset's lr. Not run yet: "
         f"{', '.join(gpu_left) if gpu_left else 'none'}.",
@@ -125,6 +130,17 @@ def issue38_plan(r: Results) -> list[str]:
         f"{len(planned) - len(left)} of these {len(planned)} steps have run (`study.py status` "
         f"lists them; `study.py run` runs the rest, one at a time). Not run yet: "
         f"{', '.join(left) if left else 'none'}.",
+        "",
+        "Added after the report was read for provenance (issue 38 item 3), before any of them "
+        "ran: reruns of earlier steps, not new comparisons. The results that started from a "
+        "pretraining without recording its weights are in no table; their MPP rows run again "
+        "from pretrainings that do, each at the lr its first run used: the longer fine-tunes "
+        "from `mpp_seed0`; the longer schedule, the hybrid, the Mixer, the shifts and the finer "
+        "grid pretrained again at seed 0 (`<name>_seed0`); the cascades, the fine-tuning "
+        "recipes and the inspection figures from `mpp_seed0`; on the GPU track, seed 0 "
+        f"pretrained again (`mpp_hybrid_gpu_seed0`). {len(reruns) - len(rerun_left)} of these "
+        f"{len(reruns)} steps have run. Not run yet: "
+        f"{', '.join(rerun_left) if rerun_left else 'none'}.",
     ]
 
 
@@ -146,7 +162,8 @@ def _gap_goal(lines: list[str], label: str, a: list[float], b: list[float]) -> N
 
 
 def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
-    """Issue 13's goals, each with what the results say (met, missed by how much)."""
+    """Issue 13's and 38's goals, each with what the results say (met, missed by how much);
+    MPP and supervised pretraining are the main comparison's three pretrainings."""
     lines = ["", "## Goals", "", "| measure | goal | got | met |", "|---|---|---|---|"]
     row = lambda *args: _goal_row(lines, *args)  # noqa: E731
     mpp, sup, scratch = (T.scores(r, a[k]) for k in ("mpp", "supervised", "scratch"))
@@ -154,7 +171,7 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
         m = 100 * mean_std(mpp)[0]
         row("MPP fine-tuned, mean of seeds", f">= {FT_GOAL}", f"{m:.2f}", m >= FT_GOAL)
     if mpp and scratch:
-        _gap_goal(lines, "all the labels", mpp, scratch)
+        _gap_goal(lines, "all the labels, from scratch at the preset's lr", mpp, scratch)
     if mpp and sup:
         gap = 100 * (mean_std(sup)[0] - mean_std(mpp)[0])
         row("supervised minus MPP, fine-tuned", ">= 0", f"{gap:+.2f}", gap >= 0)
@@ -177,7 +194,7 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
             met = 100 * vals[-1] >= goal and above and rising
             row(what, goal_text, f"{text}; random {100 * rand:.1f}", met)
     single = (
-        ("longer schedule (post hoc)", a["mpp_long"]),
+        ("longer schedule (post hoc)", [T.LONG_ARMS[0]]),
         ("at 42 px (post hoc)", [T.HIRES_ARM]),
         ("4x4 patches (post hoc)", [T.P4_ARMS[0]]),
         ("longer schedule, 2-px shifts (post hoc)", [T.SHIFT_ARMS[0]]),
@@ -195,11 +212,10 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
                 m >= FT_GOAL,
             )
     pairs = (
-        ("longer schedule (post hoc)", a["mpp_long"], a["scratch_long"]),
+        ("longer schedule (post hoc)", [T.LONG_ARMS[0]], [T.LONG_ARMS[1]]),
         ("4x4 patches (post hoc)", [T.P4_ARMS[0]], [T.P4_ARMS[1]]),
         ("longer schedule, 2-px shifts (post hoc)", [T.SHIFT_ARMS[0]], [T.SHIFT_ARMS[1]]),
         ("the paper's hybrid (post hoc)", [T.HYBRID_ARMS[0]], [T.HYBRID_ARMS[1]]),
-        ("the paper's hybrid, GPU bf16 (post hoc)", T.GPU_FT[:1], T.GPU_SCRATCH),
         *((f"{label} (post hoc)", [ft], [base]) for label, ft, base in T.FT_LONG),
     )
     for label, ft, base in pairs:
@@ -207,16 +223,8 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
             x, y = T.scores(r, group), T.scores(r, base)
             if x and y:
                 _gap_goal(lines, label, x, y)
-    for label, ft, base in T.FEW:
-        for st, group in by_start(r, ft):
-            x, y = T.scores(r, group), T.scores(r, base)
-            origin = f", MPP from {st.text()}" if st else ""
-            if x and y:
-                _gap_goal(lines, f"{label} (post hoc){origin}", x, y)
     # issue 38: three pretrainings against the tuned from scratch, per share and on the GPU
-    arms = [
-        (f, T.mpp_seed_arm(r, f), None, f"{100 * f:g}% of the labels") for f in S.SCRATCH_SHARES
-    ]
+    arms = [(f, T.mpp_seed_arm(f), None, f"{100 * f:g}% of the labels") for f in S.SCRATCH_SHARES]
     arms.append((S.GPU_SWEEP, T.GPU_FT, T.GPU_SCRATCH[1:], "the hybrid on a GPU"))
     for share, mpp, stand_ins, where in arms:
         x = T.scores(r, mpp)
@@ -285,6 +293,24 @@ def _log_figures(root: Path, figures: list[Path]) -> None:
             parents.log_artifacts("mpp", figures)
 
 
+def hidden_results(r: Results, plan: list) -> list[str]:
+    """The sentence naming the results that are in no table: they started from a pretraining
+    but do not record its weights (issue 38)."""
+    hidden = unrecorded(r, [s.name for s in plan])
+    if not hidden:
+        return []
+    return [
+        "",
+        f"{len(hidden)} results are in no table: they started from a pretraining but do not "
+        "record its weights (they were written before the runner recorded them, and those "
+        "pretrainings were replaced since), so which weights they read cannot be told. Their "
+        "MPP rows run again from pretrainings that record them (the study plan's provenance "
+        "reruns, which says what has run); their files stay in `results/`: "
+        + ", ".join(f"`{h}`" for h in hidden)
+        + ".",
+    ]
+
+
 def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Path:
     """Write RESULTS.md (by default beside this file) from the results under `root`."""
     results = S.RESULTS
@@ -310,10 +336,10 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
         "the crop recipes below.",
         "",
         "Each row of a fine-tune or frozen evaluation names the pretraining it started from: its "
-        "run directory, the MLflow run that wrote the weights and their sha256 where the result "
-        'records them, else "weights not recorded" (results written before the runner recorded '
-        "them). Rows carry the code version (git commit) and machine of their results; GPU (bf16) "
-        "rows have tables of their own.",
+        "run directory, the MLflow run that wrote the weights and their sha256. Rows carry the "
+        "code version (git commit) and machine of their results; GPU (bf16) rows have tables of "
+        "their own.",
+        *hidden_results(r, plan),
         "",
         "Machines: " + ("; ".join(machines) if machines else "none yet") + ".",
     ]
@@ -322,16 +348,12 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
     lines += T.seeds_table(r, a)
     lines += T.scratch_lr_grid(r)
     # the main comparison against the labels: MPP's three pretrainings, from scratch at its own lr
-    shares = [(f, T.mpp_seed_arm(r, f), T.tuned_scratch(r, f)[1]) for f in S.SCRATCH_SHARES]
+    shares = [(f, T.mpp_seed_arm(f), T.tuned_scratch(r, f)[1]) for f in S.SCRATCH_SHARES]
     label_fig = label_figure(r, root / results / "labels.png", shares)
     caption = "MPP (three pretrainings) vs from scratch at its own lr, against the labels"
     lines += figure_lines(label_fig, caption, here)
-    lines += T.first_runs(r, a)
-    lines += T.main_table(r, a)
-    lines += T.label_scarce(r, a)
-    lines += T.pretraining_seeds(r)
-    lines += T.longer_schedule(r, a)
-    lines += T.gpu_tables(r, a)
+    lines += T.longer_schedule(r)
+    lines += T.gpu_tables(r)
     random_rows = [
         ("raw pixels", "pixels"),
         ("random-init ViT", "random"),
@@ -349,6 +371,7 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
         ("MPP, fine-tuned, the paper's hybrid", T.HYBRID_ARMS[0]),
         ("from scratch, the paper's hybrid", T.HYBRID_ARMS[1]),
         ("MPP, fine-tuned, the paper's hybrid, GPU budget", T.GPU_FT[0]),
+        ("MPP (MLP-Mixer), fine-tuned", T.MIXER_ARM),
         ("from scratch, the paper's hybrid, GPU budget", T.GPU_SCRATCH[0]),
         *(
             row
@@ -378,9 +401,11 @@ def write_report(plan: list, root: Path = S.ROOT, out: Path | None = None) -> Pa
     lines += T.inspect_figures(here, Path("results"))
     lines += goals(r, a)
     few = [
-        (f"{method}, {label}", steps[0])
-        for label, *pair in T.FEW
-        for method, steps in zip(("MPP, fine-tuned", "from scratch"), pair, strict=True)
+        (f"{method}, {100 * f:g}% of the labels", steps[0])
+        for f, mpp, tuned in shares
+        if f != 1.0
+        for method, steps in (("MPP, fine-tuned", mpp), ("from scratch, its own lr", tuned))
+        if steps
     ]
     lines += reading(r, a, all_pretrainings, [*trainings, *few], all_pretrainings[:2])
     lines += [
@@ -435,6 +460,8 @@ def loss_fall(rows: list[dict]) -> float | None:
 
 def _training_line(r, label: str, step: str) -> str | None:
     """Whether a training's loss had flattened and its held-out accuracy was still rising."""
+    if not shown(r, step):
+        return None
     hist, fall = held_out_history(r, step), loss_fall(r.metric_lines(step))
     if len(hist) < 2 or fall is None:
         return None

@@ -24,6 +24,7 @@ SNAPSHOTS = (1, 2, 4, 6)  # pretraining epochs at which the frozen features are 
 FINETUNE_EPOCHS = 2
 SCRATCH_EPOCHS = PRETRAIN_EPOCHS + FINETUNE_EPOCHS  # equal total compute
 SEEDS = (0, 1, 2)  # fine-tuning (and from-scratch) seeds of the main comparison
+PRETRAIN_SEEDS = (0, 1, 2)  # run.seed of the pretrainings mpp_seed<s>, supervised_seed<s>
 FINETUNE_LRS = "0.003,0.01,0.03,0.06"  # the paper's grid (appendix B.1.1)
 CHECKPOINT_EVERY = 50  # a stop costs at most a minute of a run on 2 CPU cores
 MPP = "configs/fmnist_vit_tiny_mpp.yaml"
@@ -54,7 +55,8 @@ BUDGET = (
     f"pretraining {PRETRAIN_EPOCHS} epochs at batch 256; fine-tuning {FINETUNE_EPOCHS} epochs at "
     f"batch 128 and 28 px (lr from {{{FINETUNE_LRS}}} on held-out, seed 0); from scratch "
     f"{SCRATCH_EPOCHS} epochs (the supervised preset's recipe, best evaluation on held-out); "
-    f"{len(SEEDS)} seeds of each fine-tune (of one pretraining per method) and of from scratch"
+    f"the main comparison: {len(PRETRAIN_SEEDS)} pretrainings per method, each fine-tuned once, "
+    f"and {len(SEEDS)} seeds of from scratch"
 )
 
 # The longer schedule (issue 13 item 2; added after the main comparison's results): one MPP
@@ -121,10 +123,9 @@ GPU_RUN = ["train.compile=false", "run.checkpoint_every=2000", "run.log_every=50
 # best fell on the upper edge of the first three (2e-3).
 SCRATCH_LRS = ("5e-4", "1e-3", "2e-3", "4e-3")
 SCRATCH_SHARES = (0.01, 0.1, 0.3, 1.0)
-PRETRAIN_SEEDS = (0, 1, 2)  # run.seed of the pretrainings mpp_seed<s>, supervised_seed<s>
 # The same rules on the GPU track (issue 38 item 7): its grid sits beside the label shares'
-# (scratch_sweep/hybrid_gpu/), and MPP's pretraining seeds 1-2 (mpp_hybrid_gpu_seed<s>) beside
-# mpp_hybrid_gpu, which is seed 0.
+# (scratch_sweep/hybrid_gpu/), and MPP's pretraining seeds 0-2 (mpp_hybrid_gpu_seed<s>) beside
+# mpp_hybrid_gpu, the first run (seed 0), whose fine-tune does not record its weights.
 GPU_SWEEP = "hybrid_gpu"
 
 # What was fixed before any result and what was added after seeing results (the report's
@@ -188,11 +189,11 @@ def few_label_arms(fraction: float, seed: int) -> tuple[str, str]:
     return f"ft_mpp_{tag}_s{seed}", f"scratch_{tag}_s{seed}"
 
 
-def ft_long_arms(epochs: int) -> tuple[str, str]:
-    """(MPP fine-tune, from scratch) step names of the longer fine-tune of `epochs` epochs; the
-    first length keeps the names it ran under."""
+def ft_long_arms(epochs: int, pretrain: str = "mpp") -> tuple[str, str]:
+    """(MPP fine-tune of `pretrain`, from scratch) step names of the longer fine-tune of
+    `epochs` epochs; the first length keeps the names it ran under."""
     tag = "longft" if epochs == FT_LONG_EPOCHS[0] else f"longft{epochs}"
-    return f"ft_mpp_{tag}_s0", f"scratch_{tag}_s0"
+    return f"ft_{pretrain}_{tag}_s0", f"scratch_{tag}_s0"
 
 
 @dataclass
@@ -437,10 +438,13 @@ FINETUNE_RECIPES = {  # MPP fine-tuning (seed 0) beside the sweep's SGD: name ->
 }
 
 
-def finetune_recipe(name: str) -> Step:
-    """A fine-tuning recipe of the 6-epoch MPP export, seed 0; without an lr of its own, the
-    lr seed 0's SGD sweep chose on held-out."""
-    run, overrides = STUDY / name, FINETUNE_RECIPES[name]
+def finetune_recipe(name: str, pretrain: str = "mpp") -> Step:
+    """A fine-tuning recipe of a 6-epoch MPP export, seed 0; without an lr of its own, the
+    lr seed 0's SGD sweep chose on held-out. Of another pretraining than `mpp`, the step is
+    <name>_<pretrain>."""
+    overrides = FINETUNE_RECIPES[name]
+    name = name if pretrain == "mpp" else f"{name}_{pretrain}"
+    run = STUDY / name
     argv = [
         "evals/finetune.py",
         "--config",
@@ -448,7 +452,7 @@ def finetune_recipe(name: str) -> Step:
         f"run.dir={run}",
         *COMMON,
         *FINETUNE,
-        f"model.init_from={STUDY / 'mpp'}",
+        f"model.init_from={STUDY / pretrain}",
         "run.seed=0",
         *overrides,
     ]
@@ -458,12 +462,14 @@ def finetune_recipe(name: str) -> Step:
         lr = [] if own_lr else [f"optim.lr={chosen_lr(f'ft_mpp_s{SEEDS[0]}')}"]
         return [*argv, *chosen_augmentation(), *lr]
 
-    return Step(name, args, run / "results.json", ("mpp",), run)
+    return Step(name, args, run / "results.json", (pretrain,), run)
 
 
-def cascade(name: str, *overrides: str) -> list[Step]:
-    """A Dynamic ViT fine-tuned from the MPP export (lr: seed 0's choice for MPP fine-tuning),
-    then its exit thresholds chosen on held-out and measured on test."""
+def cascade(name: str, *overrides: str, pretrain: str = "mpp") -> list[Step]:
+    """A Dynamic ViT fine-tuned from an MPP export (lr: seed 0's choice for MPP fine-tuning),
+    then its exit thresholds chosen on held-out and measured on test. Of another pretraining
+    than `mpp`, the steps are <name>_<pretrain>."""
+    name = name if pretrain == "mpp" else f"{name}_{pretrain}"
     run, out = STUDY / name, STUDY / "evals" / name
     base = [
         "evals/finetune.py",
@@ -474,7 +480,7 @@ def cascade(name: str, *overrides: str) -> list[Step]:
         f"train.epochs={FINETUNE_EPOCHS}",
         "optim.warmup_steps=100",
         "run.eval_every=235",
-        f"model.init_from={STUDY / 'mpp'}",
+        f"model.init_from={STUDY / pretrain}",
         *overrides,
     ]
     lr_step = f"ft_mpp_s{SEEDS[0]}"
@@ -484,7 +490,7 @@ def cascade(name: str, *overrides: str) -> list[Step]:
             name,
             lambda: [*base, *chosen_augmentation(), f"optim.lr={chosen_lr(lr_step)}"],
             run / "results.json",
-            ("mpp",),
+            (pretrain,),
             run,
         ),
         Step(
@@ -664,12 +670,13 @@ def scratch_lr_seed(share: float | str, seed: int) -> Step:
 
 
 def gpu_seed_runs() -> list[Step]:
-    """Issue 38's rules on the GPU track: MPP pretraining seeds 1-2 beside mpp_hybrid_gpu
-    (seed 0), each fine-tuned once as seed 0 was; from scratch's own lr grid at the GPU budget
-    (seed 0 chooses on held-out, seeds 1-2 reuse)."""
+    """Issue 38's rules on the GPU track: MPP pretraining seeds 0-2 (seed 0 again, beside
+    mpp_hybrid_gpu, whose fine-tune does not record its weights), each fine-tuned once as the
+    first run was; from scratch's own lr grid at the GPU budget (seed 0 chooses on held-out,
+    seeds 1-2 reuse)."""
     steps = [scratch_lr_step(GPU_SWEEP, lr) for lr in SCRATCH_LRS]
     steps += [scratch_lr_seed(GPU_SWEEP, seed) for seed in SEEDS[1:]]
-    for seed in PRETRAIN_SEEDS[1:]:
+    for seed in PRETRAIN_SEEDS:
         name = f"mpp_hybrid_gpu_seed{seed}"
         epochs = GPU_PRETRAIN_EPOCHS
         args = [*HYBRID, *GPU_RUN, f"run.seed={seed}"]
@@ -703,29 +710,43 @@ def next_runs() -> list[Step]:
     return steps
 
 
+# Issue 38 item 3: the results that started from a pretraining but do not record its weights
+# (written before the runner recorded them; the pretrainings were since replaced) are in no
+# table. Their MPP rows run again from pretrainings that record them: the main pretraining's
+# from mpp_seed0 (the main comparison's seed 0), the others' from the same recipe pretrained
+# again at seed 0 (<name>_seed0). Each reuses the lr its first run used. Cascades (`CASCADES`)
+# and fine-tuning recipes of mpp_seed0 are named <name>_mpp_seed0. From scratch needs no weights.
+CASCADES = (
+    ("cascade",),
+    ("cascade_no_feature_reuse", "objective.feature_reuse=false"),
+    ("cascade_no_relation_reuse", "objective.relation_reuse=false"),
+)
+
+
 def provenance_reruns() -> list[Step]:
-    """Issue 38 item 3: the post-hoc fine-tunes whose JSONs do not record the weights they
-    started from, run again from pretrainings that do. The longer fine-tunes read mpp_seed0 (the
-    main comparison's seed 0); the other pretrainings run again at seed 0 as <name>_seed0. Each
-    reuses the lr its first run used (chosen on held-out, or the 16-token sweep's); from
-    scratch needs no weights, so its first runs stay."""
-    steps = []
-    for epochs in FT_LONG_EPOCHS:
-        ft, _ = ft_long_arms(epochs)
-        name = ft.replace("ft_mpp_", "ft_mpp_seed0_")
-        steps.append(finetune("mpp_seed0", SEEDS[0], epochs, f"ft_mpp_s{SEEDS[0]}", name=name))
+    """In order of what the report reads most: the longer fine-tunes, the longer schedule, the
+    hybrid, the Mixer, the inspection figures, Dynamic ViT, then the rest."""
     py, seed = PRETRAIN_PY, f"run.seed={SEEDS[0]}"
     long = {"epochs": LONG_PRETRAIN_EPOCHS, "snapshots": (LONG_PRETRAIN_EPOCHS,)}
+    first_sweep, long_sweep = f"ft_mpp_s{SEEDS[0]}", f"ft_mpp_long_s{SEEDS[0]}"
+    steps = [
+        finetune("mpp_seed0", SEEDS[0], e, first_sweep, name=ft_long_arms(e, "mpp_seed0")[0])
+        for e in FT_LONG_EPOCHS
+    ]
     steps += [
         pretrain("mpp_long_seed0", MPP, py, seed, **long),
-        finetune("mpp_long_seed0", SEEDS[0], LONG_FINETUNE_EPOCHS, f"ft_mpp_long_s{SEEDS[0]}"),
+        finetune("mpp_long_seed0", SEEDS[0], LONG_FINETUNE_EPOCHS, long_sweep),
         pretrain("mpp_hybrid_seed0", MPP, py, *HYBRID, seed, snapshots=(PRETRAIN_EPOCHS,)),
-        finetune("mpp_hybrid_seed0", SEEDS[0], FINETUNE_EPOCHS, "ft_mpp_s0", HYBRID[1]),
+        finetune("mpp_hybrid_seed0", SEEDS[0], FINETUNE_EPOCHS, first_sweep, HYBRID[1]),
         pretrain("mixer_seed0", MIXER, py, seed, snapshots=(PRETRAIN_EPOCHS,)),
         finetune("mixer_seed0", SEEDS[0], FINETUNE_EPOCHS, f"ft_mixer_s{SEEDS[0]}"),
-        finetune_hires("mpp_long_seed0", LONG_FINETUNE_EPOCHS, "ft_mpp_long_s0"),
+        inspection("mpp_seed0"),
+        inspection("mixer_seed0"),
+        *(step for name, *o in CASCADES for step in cascade(name, *o, pretrain="mpp_seed0")),
+        finetune_hires("mpp_long_seed0", LONG_FINETUNE_EPOCHS, long_sweep),
         pretrain("mpp_long_shift_seed0", MPP, py, *SHIFT, seed, **long),
-        finetune("mpp_long_shift_seed0", SEEDS[0], LONG_FINETUNE_EPOCHS, "ft_mpp_long_s0", *SHIFT),
+        finetune("mpp_long_shift_seed0", SEEDS[0], LONG_FINETUNE_EPOCHS, long_sweep, *SHIFT),
+        *(finetune_recipe(name, "mpp_seed0") for name in FINETUNE_RECIPES),
         pretrain(
             "mpp_p4_seed0",
             MPP,
@@ -735,7 +756,7 @@ def provenance_reruns() -> list[Step]:
             epochs=P4_PRETRAIN_EPOCHS,
             snapshots=(P4_PRETRAIN_EPOCHS,),
         ),
-        finetune("mpp_p4_seed0", SEEDS[0], P4_FINETUNE_EPOCHS, f"ft_mpp_s{SEEDS[0]}"),
+        finetune("mpp_p4_seed0", SEEDS[0], P4_FINETUNE_EPOCHS, first_sweep),
     ]
     return steps
 
@@ -766,9 +787,7 @@ def plan() -> list[Step]:
         *main_comparison[3:],  # seeds 1 and 2: the error bars
         *(recipe(n) for n in RECIPES if n not in (*AUGMENTATIONS, "recipe_p4")),  # lr, width
         # Dynamic ViT (issue 15): the cascade, then each reuse switched off alone.
-        *cascade("cascade"),
-        *cascade("cascade_no_feature_reuse", "objective.feature_reuse=false"),
-        *cascade("cascade_no_relation_reuse", "objective.relation_reuse=false"),
+        *(step for name, *overrides in CASCADES for step in cascade(name, *overrides)),
         # An MLP-Mixer beside the ViT under the same recipe (issue 15, single seed).
         pretrain("mixer", MIXER, py),
         *snapshot_evals("mixer", (PRETRAIN_EPOCHS,)),

@@ -1,9 +1,11 @@
-"""The tables of RESULTS.md: the main comparison, fewer labels, the longer schedules, the GPU
-runs, the frozen features, the recipes, Dynamic ViT, the inspection figures and every step.
+"""The tables of RESULTS.md: the main comparison per share of the labels, the longer schedules,
+the GPU runs, the frozen features, the recipes, Dynamic ViT, the inspection figures and every
+step.
 
-Every row of a fine-tune or frozen evaluation names the pretraining it started from (run and
-weights, where the result records them) and the code version and machine it ran on; results
-that started from different pretrainings never share a row.
+Every row of a fine-tune or frozen evaluation names the pretraining it started from (its run and
+the sha256 of its weights) and the code version and machine it ran on; results that started from
+different pretrainings never share a row, and results that do not record their weights are in
+no row (`records.shown`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from studies.mpp_fashion_mnist.records import (
     one_start,
     pct,
     readout_label,
+    shown,
     start,
     sweep_choice,
     sweep_text,
@@ -31,51 +34,50 @@ from studies.mpp_fashion_mnist.records import (
 )
 from studies.mpp_fashion_mnist.stats import welch
 
-LONG_ARMS = ("ft_mpp_long_s0", "scratch_long_s0")  # the longer schedule's seed 0
-HIRES_ARM = f"ft_mpp_long_{S.HIRES}px"  # its MPP backbone fine-tuned at the higher resolution
-P4_ARMS = ("ft_mpp_p4_s0", "scratch_p4_s0")  # the finer grid
-SHIFT_ARMS = ("ft_mpp_long_shift_s0", "scratch_long_shift_s0")  # the longer schedule, 2-px shifts
-HYBRID_ARMS = ("ft_mpp_hybrid_s0", "scratch_hybrid_s0")  # the paper's hybrid, main budget
-# the main pretraining, longer fine-tunes: (label, MPP fine-tune, from scratch) per length
+# The single-seed MPP fine-tunes (the provenance reruns of steps.provenance_reruns) and their
+# from-scratch runs, which need no weights and keep their first runs.
+LONG_ARMS = ("ft_mpp_long_seed0_s0", "scratch_long_s0")  # the longer schedule
+HIRES_ARM = f"ft_mpp_long_seed0_{S.HIRES}px"  # its MPP backbone fine-tuned at the higher resolution
+P4_ARMS = ("ft_mpp_p4_seed0_s0", "scratch_p4_s0")  # the finer grid
+SHIFT_ARMS = ("ft_mpp_long_shift_seed0_s0", "scratch_long_shift_s0")  # longer, 2-px shifts
+HYBRID_ARMS = ("ft_mpp_hybrid_seed0_s0", "scratch_hybrid_s0")  # the paper's hybrid, main budget
+MIXER_ARM = "ft_mixer_seed0_s0"  # the MLP-Mixer pretrained with MPP, main budget
+# the main pretraining's seed 0, longer fine-tunes: (label, MPP fine-tune, from scratch)
 FT_LONG = tuple(
-    (f"longer fine-tune ({S.PRETRAIN_EPOCHS} + {e} epochs)", *S.ft_long_arms(e))
+    (
+        f"longer fine-tune ({S.PRETRAIN_EPOCHS} + {e} epochs)",
+        S.ft_long_arms(e, "mpp_seed0")[0],
+        S.ft_long_arms(e)[1],
+    )
     for e in S.FT_LONG_EPOCHS
 )
-# the hybrid at the GPU budget, by seed, and the 20 + 30 split
-# the GPU track's MPP: three pretrainings (mpp_hybrid_gpu is seed 0), each fine-tuned once
-GPU_FT = [
-    "ft_mpp_hybrid_gpu_s0",
-    *(f"ft_mpp_hybrid_gpu_seed{s}_s{s}" for s in S.PRETRAIN_SEEDS[1:]),
-]
+# the sweeps on the first pretrainings whose lr choices the reruns reuse
+MPP_SWEEP, LONG_SWEEP, MIXER_SWEEP = "ft_mpp_s0", "ft_mpp_long_s0", "ft_mixer_s0"
+# the GPU track's MPP: three pretrainings, each fine-tuned once
+GPU_FT = [f"ft_mpp_hybrid_gpu_seed{s}_s{s}" for s in S.PRETRAIN_SEEDS]
 GPU_SCRATCH = [f"scratch_hybrid_gpu_s{s}" for s in S.SEEDS]  # at the preset's lr
 GPU_SPLIT_ARM = f"ft_mpp_hybrid_gpu_e{S.GPU_SPLIT[0]}_s0"
-# the main pretraining fine-tuned on a share of the labels, and from scratch on it: by seed
-FEW = tuple(
-    (
-        f"{100 * f:g}% of the labels",
-        [S.few_label_arms(f, s)[0] for s in S.SEEDS],
-        [S.few_label_arms(f, s)[1] for s in S.SEEDS],
-    )
-    for f in S.FEW_LABELS
-)
 NOT_SWEPT = "1e-3 (the supervised preset's; not swept)"
-# from scratch at the preset lr on each share, by seed
-UNTUNED_SCRATCH = {f: base for f, (_, _, base) in zip(S.FEW_LABELS, FEW, strict=True)}
+# from scratch at the preset lr on each share (1.0: all the labels), by seed
+UNTUNED_SCRATCH = {
+    1.0: [f"scratch_s{s}" for s in S.SEEDS],
+    **{f: [S.few_label_arms(f, s)[1] for s in S.SEEDS] for f in S.FEW_LABELS},
+}
 
 
-def arms(seeds: tuple[int, ...] = S.SEEDS) -> dict[str, list[str]]:
-    """The multi-seed arms by name: each a list of step names, one per seed."""
+def arms() -> dict[str, list[str]]:
+    """The main comparison's arms on all the labels: MPP and supervised pretraining, three
+    pretrainings each fine-tuned once; from scratch at the preset's lr, three seeds."""
     return {
-        "mpp": [f"ft_mpp_s{s}" for s in seeds],
-        "supervised": [f"ft_supervised_s{s}" for s in seeds],
-        "scratch": [f"scratch_s{s}" for s in seeds],
-        "mpp_long": [f"ft_mpp_long_s{s}" for s in seeds],
-        "scratch_long": [f"scratch_long_s{s}" for s in seeds],
+        "mpp": mpp_seed_arm(1.0),
+        "supervised": [f"ft_supervised_seed{s}_s{s}" for s in S.PRETRAIN_SEEDS],
+        "scratch": UNTUNED_SCRATCH[1.0],
     }
 
 
 def scores(r: Results, steps: list[str]) -> list[float]:
-    return [v for v in (r.selected(s) for s in steps) if v is not None]
+    """The selected test top-1 of `steps`, of those with a result a table may show."""
+    return [v for v in (r.selected(s) for s in steps if shown(r, s)) if v is not None]
 
 
 def arm_rows(r: Results, label: str, steps: list[str], lr: str) -> list[str]:
@@ -100,126 +102,11 @@ ARM_HEADER = [
 ]
 
 
-def main_table(r: Results, a: dict[str, list[str]]) -> list[str]:
-    """The main comparison and the longer schedule's seeds, all on CPU in fp32."""
-    long_ft = f"{S.LONG_PRETRAIN_EPOCHS} + {S.LONG_FINETUNE_EPOCHS}"
-    rows = [
-        (
-            "MPP (50% corrupted, 3-bit mean colour), fine-tuned",
-            a["mpp"],
-            sweep_text(r, a["mpp"][0]),
-        ),
-        ("supervised pretraining, fine-tuned", a["supervised"], sweep_text(r, a["supervised"][0])),
-        ("from scratch (labels only, same total epochs)", a["scratch"], NOT_SWEPT),
-        (
-            "MLP-Mixer (D 128, 9 blocks), MPP, fine-tuned (1 seed)",
-            ["ft_mixer_s0"],
-            sweep_text(r, "ft_mixer_s0"),
-        ),
-        (
-            f"longer schedule (post hoc): MPP {long_ft} epochs, fine-tuned",
-            a["mpp_long"],
-            sweep_text(r, a["mpp_long"][0]),
-        ),
-        (
-            f"longer schedule (post hoc): from scratch, {S.LONG_SCRATCH_EPOCHS} epochs",
-            a["scratch_long"],
-            NOT_SWEPT,
-        ),
-    ]
-    lines = [
-        "",
-        "### MPP vs supervised pretraining vs from scratch (equal total compute, CPU, fp32)",
-        "",
-        *ARM_HEADER,
-    ]
-    for label, steps, lr in rows:
-        lines += arm_rows(r, label, steps, lr)
-    return lines + rebuilt_note(r, [s for _, steps, _ in rows for s in steps])
-
-
-def first_runs(r: Results, a: dict[str, list[str]]) -> list[str]:
-    """The heading of the runs made before issue 38's plan, and why they are not its answer."""
-    steps = [*a["mpp"], *a["supervised"], *a["scratch"]]
-    steps += [s for _, ft, base in FEW for s in (*ft, *base)]
-    commits = {(r.get(s) or {}).get("git_commit") for s in steps} - {None}
-    return [
-        "",
-        "## The first runs (one pretraining per method, from scratch untuned)",
-        "",
-        "The runs made before issue 38's plan, kept as they ran. MPP's seeds fine-tune one "
-        "pretraining, from scratch keeps the supervised preset's lr, and the rows of the next "
-        f"two tables span {len(commits)} code versions and both loaders (streamed, then in "
-        "RAM); some do not record the weights they started from. Where they overlap the "
-        "comparison above, that one is the study's answer.",
-    ]
-
-
-def label_scarce(r: Results, a: dict[str, list[str]]) -> list[str]:
-    """Goal 2 in the paper's setting, pretraining on more images than fine-tuning has labels
-    for: each share against all the labels, MPP's seeds split by the pretraining they read."""
-    lines = [
-        "",
-        "### MPP vs from scratch with fewer labels (equal total compute; post hoc)",
-        "",
-        f"The main MPP pretraining ({S.PRETRAIN_EPOCHS} epochs of every training image, no "
-        "labels) fine-tuned on the labels of a hashed share of the training images "
-        "(`data.train_fraction`), against from scratch on the same images for the same compute "
-        "(they also get the pretraining's epochs, in epochs of the share). As in the paper, "
-        "pretraining sees more images than fine-tuning has labels for (JFT, then ImageNet; "
-        "sec. 4.6). Fine-tuning runs about as many steps as the main comparison's; the held-out "
-        "2% is the main comparison's, and each run on a share keeps the best of its 10 held-out "
-        "evaluations. MPP minus from scratch: the difference of the means in points, its 95% "
-        "confidence interval and the two-sided p of Welch's t-test (Welch-Satterthwaite degrees "
-        "of freedom). Where MPP's seeds read different pretrainings, each gets its own row "
-        "against the same from-scratch seeds. From scratch here keeps the supervised preset's lr "
-        "(1e-3) and weight decay, not tuned as MPP's fine-tuning lr is: its own grid follows "
-        "the table. Compute: image passes (every one 16 tokens of the "
-        "same model), MPP's pretraining plus fine-tuning against from scratch, from the runs' "
-        "own step counts.",
-        "",
-        "| labels | epochs: fine-tuning; from scratch | image passes: MPP; from scratch | "
-        "MPP started from | MPP, fine-tuned | from scratch | MPP minus from scratch [95% CI], "
-        "Welch p | MPP's lr (chosen on held-out) | code; machine |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    budgets = [
-        (
-            "100% (the main comparison)",
-            f"{S.PRETRAIN_EPOCHS} + {S.FINETUNE_EPOCHS}; {S.SCRATCH_EPOCHS}",
-            a["mpp"],
-            a["scratch"],
-        )
-    ]
-    for f, (label, ft, base) in zip(S.FEW_LABELS, FEW, strict=True):
-        ft_epochs, scratch_epochs, _, _ = S.few_label_budget(f)
-        budgets.append((label, f"{S.PRETRAIN_EPOCHS} + {ft_epochs}; {scratch_epochs}", ft, base))
-    for label, epochs, ft, base in budgets:
-        b = scores(r, base)
-        for st, group in by_start(r, ft):
-            a_ = scores(r, group)
-            cells = [
-                image_passes(r, ["mpp", group[0]], base[0]),
-                st.text() if st else "-",
-                mean_std_text(a_),
-                mean_std_text(b),
-                welch_text(a_, b) if b else "-",
-                sweep_text(r, ft[0]),
-                conditions(r, [*group, *base]),
-            ]
-            lines.append(f"| {label} | {epochs} | {' | '.join(cells)} |")
-    return lines + rebuilt_note(r, [s for _, _, ft, _ in budgets for s in ft])
-
-
-def mpp_seed_arm(r: Results, fraction: float) -> list[str]:
+def mpp_seed_arm(fraction: float) -> list[str]:
     """MPP on a share of the labels (1.0: all), one fine-tune per pretraining seed (0, 1, 2),
-    the fine-tuning seed equal to the pretraining's. Until seed 0's second pretraining
-    (mpp_seed0) is fine-tuned, the first one's seed-0 fine-tune stands for it."""
+    the fine-tuning seed equal to the pretraining's."""
     tag = "" if fraction == 1.0 else f"_{S.share_tag(fraction)}"
-    names = [f"ft_mpp_seed{s}{tag}_s{s}" for s in S.PRETRAIN_SEEDS]
-    if r.get(names[0]) is None:
-        names[0] = "ft_mpp_s0" if fraction == 1.0 else S.few_label_arms(fraction, 0)[0]
-    return names
+    return [f"ft_mpp_seed{s}{tag}_s{s}" for s in S.PRETRAIN_SEEDS]
 
 
 def tuned_scratch(
@@ -293,15 +180,19 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
     its own grid chose on held-out, per share of the labels; the untuned arm beside it."""
     rows = []
     for f in S.SCRATCH_SHARES:
-        mpp = mpp_seed_arm(r, f)
-        untuned = a["scratch"] if f == 1.0 else UNTUNED_SCRATCH[f]
-        pretraining = "mpp_seed0" if mpp[0].startswith("ft_mpp_seed0") else "mpp"  # seed 0's
-        row = seed_row(r, f"{100 * f:g}%", mpp, pretraining, tuned_scratch(r, f), untuned)
+        row = seed_row(
+            r,
+            f"{100 * f:g}%",
+            mpp_seed_arm(f),
+            "mpp_seed0",
+            tuned_scratch(r, f),
+            UNTUNED_SCRATCH[f],
+        )
         rows += [row] if row else []
     if not rows:
         return []
-    supervised = [f"ft_supervised_seed{s}_s{s}" for s in S.PRETRAIN_SEEDS]
-    sup, mpp = scores(r, supervised), scores(r, mpp_seed_arm(r, 1.0))
+    supervised = a["supervised"]
+    sup, mpp = scores(r, supervised), scores(r, a["mpp"])
     if len(sup) == len(supervised) and len(mpp) == len(supervised):
         rows.append(
             f"\nSupervised pretraining on all the labels, three pretrainings (seeds 0-2, each "
@@ -313,22 +204,16 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
         "## MPP against from scratch tuned like it: three pretrainings (CPU, fp32)",
         "",
         "The study's main comparison, fixed in the study plan for issue 38 before its runs, per "
-        "share of the labels (100%: the budget of the first runs' main comparison). MPP: three "
+        f"share of the labels (100%: the main budget, {S.PRETRAIN_EPOCHS} + {S.FINETUNE_EPOCHS} "
+        f"against {S.SCRATCH_EPOCHS} epochs). MPP: three "
         "pretrainings (seeds 0, 1, 2), each fine-tuned once (fine-tuning seed = pretraining "
         "seed) at the lr seed 0's sweep chose on held-out for that share, so the spread holds "
         "the pretraining's variance. From scratch: the lr its own seed-0 grid chose on held-out "
-        "(next table), seeds 0-2 at that lr as far as run. Beside them, from scratch at the "
-        "supervised preset's lr (the first runs' arm). Each row names its code versions; "
-        + (
-            "MPP's and the tuned arm's runs ran on one machine in fp32 with the training data "
-            "in RAM. "
-            if r.get("ft_mpp_seed0_s0")
-            else "the tuned arm and MPP's seeds 1-2 ran on one machine in fp32 with the training "
-            "data in RAM; MPP's seed 0 is the first pretraining (`mpp`, its data streamed, at an "
-            "older commit) until its second one, `mpp_seed0`, has run. "
-        )
-        + "The figure after the next table draws it. Differences: MPP minus from scratch in "
-        "points, 95% CI and Welch's p.",
+        "(next table), seeds 0-2 at that lr. Beside them, from scratch at the supervised "
+        "preset's lr, untuned (the study's first runs). Each row names its code versions; MPP's "
+        "and the tuned arm's runs ran on one machine in fp32 with the training data in RAM. The "
+        "figure after the next table draws it. Differences: MPP minus from scratch in points, "
+        "95% CI and Welch's p.",
         "",
         *SEEDS_HEADER,
         *rows,
@@ -344,7 +229,7 @@ def headline(r: Results) -> list[str]:
     from scratch at its own lr (where that arm has 2+ seeds), with its 95% CI."""
     said, waiting, above, below, level = [], [], [], [], []
     for f in S.SCRATCH_SHARES:
-        x = scores(r, mpp_seed_arm(r, f))
+        x = scores(r, mpp_seed_arm(f))
         lr, tuned = tuned_scratch(r, f)
         y = scores(r, tuned)
         if len(x) < len(S.PRETRAIN_SEEDS) or len(y) < 2:
@@ -373,8 +258,7 @@ def headline(r: Results) -> list[str]:
         lines += [
             *([""] if said else []),
             f"Not yet answered at {', '.join(waiting)} of the labels: the tuned from-scratch arm "
-            "has fewer than 2 seeds there (the study plan below lists the steps to run). The "
-            "tables further down hold the first runs, against the untuned from scratch.",
+            "has fewer than 2 seeds there (the study plan below lists the steps to run).",
         ]
     return lines
 
@@ -433,49 +317,6 @@ def scratch_lr_grid(r: Results) -> list[str]:
     ]
 
 
-def pretraining_seeds(r: Results) -> list[str]:
-    """MPP fine-tuned from each pretraining seed (pretraining seed = fine-tuning seed), per
-    share of the labels, as far as run: the spread the tables above leave out."""
-    shares = [(1.0, "ft_mpp_s0", "ft_mpp_seed{s}_s{s}")]
-    shares += [
-        (f, S.few_label_arms(f, 0)[0], f"ft_mpp_seed{{s}}_{S.share_tag(f)}_s{{s}}")
-        for f in S.FEW_LABELS
-    ]
-    rows, widest = [], (0.0, 0.0)  # (range over the pretraining seeds, share)
-    for f, first, pattern in shares:
-        names = [first, *(pattern.format(s=s) for s in S.PRETRAIN_SEEDS)]
-        top1 = [r.selected(n) for n in names]
-        got = [t for t in top1 if t is not None]
-        widest = max(widest, (100 * (max(got) - min(got)), f)) if got else widest
-        if all(t is None for t in top1[1:]):
-            continue
-        cells = [f"{100 * t:.2f}" if t is not None else "-" for t in top1]
-        done = [n for n, t in zip(names, top1, strict=True) if t is not None]
-        rows.append(f"| {100 * f:g}% | {' | '.join(cells)} | {conditions(r, done)} |")
-    if not rows:
-        return []
-    spread = (
-        f"The widest range over pretraining seeds so far is {widest[0]:.2f} points, at "
-        f"{100 * widest[1]:g}% of the labels: the spreads above, one pretraining per method, "
-        "leave it out."
-    )
-    seeds = " | ".join(f"pretraining seed {s}" for s in S.PRETRAIN_SEEDS)
-    return [
-        "",
-        "### MPP across pretraining seeds (fine-tuned test top-1)",
-        "",
-        "Each pretraining seed fine-tuned once, with the fine-tuning seed equal to it and the lr "
-        "seed 0's sweep chose on held-out for that share. The first column is the seed-0 "
-        "fine-tune of the tables above, with the pretraining it read there (at 30% of the "
-        "labels a rerun of it); seed 0's column is the same recipe and seed pretrained again "
-        f"with seeds 1-2's code and loader (mpp_seed0). {spread}",
-        "",
-        f"| labels | `mpp` (seed 0, first run) | {seeds} | code; machine |",
-        "|---|---|" + "---|" * len(S.PRETRAIN_SEEDS) + "---|",
-        *rows,
-    ]
-
-
 def image_passes(r: Results, method: list[str], scratch: str) -> str:
     """Images trained on by the steps of `method` (pretraining, fine-tuning) and by `scratch`,
     from each run's last metric line, and how far from equal they are."""
@@ -491,33 +332,9 @@ def image_passes(r: Results, method: list[str], scratch: str) -> str:
     return f"{total / 1e3:.0f}k; {theirs / 1e3:.0f}k (MPP {total / theirs - 1:+.0%})"
 
 
-def label_welch(r: Results, a: dict[str, list[str]]) -> list[tuple]:
-    """(share label, pretraining, MPP scores, from-scratch scores) per row of the label table."""
-    shares = [("100% of the labels", a["mpp"], a["scratch"]), *FEW]
-    return [
-        (label, st, scores(r, group), scores(r, base))
-        for label, ft, base in shares
-        for st, group in by_start(r, ft)
-    ]
-
-
-def rebuilt_note(r: Results, steps: list[str]) -> list[str]:
-    """A sentence naming the fine-tunes whose pretraining was rerun on a new machine (the same
-    recipe, but weights that are a second sample of it), where there are any."""
-    rebuilt = [s for s in steps if (r.get(s) or {}).get("rebuilt_needs")]
-    if not rebuilt:
-        return []
-    return [
-        "",
-        f"{', '.join(rebuilt)} fine-tuned a rerun of the pretraining (a new machine had lost "
-        "its export: the same recipe and seed, weights not bitwise the same on a CPU): their "
-        "rows are apart from those of the first run's weights.",
-    ]
-
-
-def reused_lr(r: Results, a: dict[str, list[str]]) -> str:
+def reused_lr(r: Results) -> str:
     """The lr of the fine-tunes that reuse the 16-token MPP sweep's choice instead of sweeping."""
-    return f"{sweep_choice(r, a['mpp'][0])}, the 16-token sweep's (not swept)"
+    return f"{sweep_choice(r, MPP_SWEEP)}, the 16-token sweep's (not swept)"
 
 
 def _origin(r: Results, step: str) -> str:
@@ -525,29 +342,33 @@ def _origin(r: Results, step: str) -> str:
     return st.text() if st else "-"
 
 
-def _pair(r: Results, finetune: str, scratch: str) -> str:
+def _pair(r: Results, finetune: str, scratch: str | None) -> str:
     """'MPP started from | MPP | from scratch | MPP minus from scratch' cells of one budget."""
-    a, b = r.selected(finetune), r.selected(scratch)
+    a, b = r.selected(finetune), r.selected(scratch) if scratch else None
     gap = "-" if a is None or b is None else f"{100 * (a - b):+.2f}"
     st = start(r, finetune)
     return f"{st.text() if st else '-'} | {pct(a)} | {pct(b)} | {gap}"
 
 
-def longer_schedule(r: Results, a: dict[str, list[str]]) -> list[str]:
-    """MPP pretrained and fine-tuned longer against from scratch for the same total epochs,
-    beside the shorter budget's seed 0 (one seed each: no error bar); all on CPU, fp32."""
+def longer_schedule(r: Results) -> list[str]:
+    """MPP pretrained and fine-tuned longer, other models and grids, each against from scratch
+    for the same total epochs, beside the main budget's seed 0 (one seed each: no error bar);
+    all on CPU, fp32. A row shows once its MPP fine-tune has a result that records its weights."""
     long_total = S.LONG_PRETRAIN_EPOCHS + S.LONG_FINETUNE_EPOCHS
     lines = [
         "",
-        "## Longer schedules and the finer grid (single seed, CPU, fp32; post hoc)",
+        "## Longer schedules, other models and the finer grid (single seed, CPU, fp32; post hoc)",
         "",
-        f"MPP pretrained {S.LONG_PRETRAIN_EPOCHS} epochs (frozen features at "
-        f"{', '.join(map(str, S.LONG_SNAPSHOTS))} epochs, in the table below), fine-tuned "
-        f"{S.LONG_FINETUNE_EPOCHS} epochs with lr from the paper's grid on held-out; from "
-        f"scratch for the sum, {long_total} epochs. Seed 0 only: one seed has no confidence "
-        "interval. The finer grid (4x4 patches) is the same presets with `model.patch_size=4`; "
-        "the shifted runs add `data.translate=2` (a random shift of up to 2 px per axis, "
-        "zero-filled) to the flips in pretraining, fine-tuning and from scratch alike.",
+        f"MPP pretrained {S.LONG_PRETRAIN_EPOCHS} epochs, fine-tuned {S.LONG_FINETUNE_EPOCHS} "
+        f"epochs; from scratch for the sum, {long_total} epochs. Seed 0 only: one seed has no "
+        "confidence interval. The finer grid (4x4 patches) is the same presets with "
+        "`model.patch_size=4`; the shifted runs add `data.translate=2` (a random shift of up to "
+        "2 px per axis, zero-filled) to the flips in pretraining, fine-tuning and from scratch "
+        "alike. The MPP rows fine-tune pretrainings run again at seed 0 (`<name>_seed0`, the "
+        "main budget's `mpp_seed0`) that record their weights; each reuses the lr the first "
+        "run's sweep chose on held-out. The frozen features of the first runs, which record "
+        "theirs, are in the next tables. From scratch (no weights to record) keeps its first "
+        "runs, at the supervised preset's lr.",
         "",
         "| budget (pretraining + fine-tuning epochs) | MPP started from | MPP, fine-tuned | from "
         "scratch, same total | MPP minus from scratch | MPP's lr (chosen on held-out) | code; "
@@ -556,59 +377,66 @@ def longer_schedule(r: Results, a: dict[str, list[str]]) -> list[str]:
     ]
     short = f"{S.PRETRAIN_EPOCHS} + {S.FINETUNE_EPOCHS} (seed 0)"
     long = f"{S.LONG_PRETRAIN_EPOCHS} + {S.LONG_FINETUNE_EPOCHS} (seed 0)"
-    reused = reused_lr(r, a)
+    reused = reused_lr(r)
     shift = " ".join(f"`{o}`" for o in S.SHIFT)
+    main_seed0 = mpp_seed_arm(1.0)[0]
     rows = [
-        (short, a["mpp"][0], a["scratch"][0], sweep_text(r, a["mpp"][0])),
-        (long, *LONG_ARMS, sweep_text(r, LONG_ARMS[0])),
-        (
-            f"{S.P4_PRETRAIN_EPOCHS} + {S.P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 tokens, "
-            "~3x the compute per image)",
-            *P4_ARMS,
-            reused,
+        (short, main_seed0, UNTUNED_SCRATCH[1.0][0], sweep_text(r, MPP_SWEEP)),
+        *(
+            (
+                f"{S.PRETRAIN_EPOCHS} + {e} (seed 0), the main pretraining with a longer fine-tune",
+                ft,
+                base,
+                reused,
+            )
+            for e, (_, ft, base) in zip(S.FT_LONG_EPOCHS, FT_LONG, strict=True)
         ),
-        (
-            f"{long}, random shifts of up to 2 px in every run ({shift})",
-            *SHIFT_ARMS,
-            f"{sweep_choice(r, LONG_ARMS[0])}, the flips-only {long} sweep's (not swept)",
-        ),
+        (long, *LONG_ARMS, sweep_text(r, LONG_SWEEP)),
         (
             f"{short}, the paper's hybrid (ResNet stem at 32 px, 2x2 patches of its 8x8 map: 16 "
             "tokens, ~1.3x the compute per image)",
             *HYBRID_ARMS,
             reused,
         ),
-        *(
-            (
-                f"{S.PRETRAIN_EPOCHS} + {e} (seed 0), the main pretraining with a longer fine-tune",
-                *S.ft_long_arms(e),
-                reused,
-            )
-            for e in S.FT_LONG_EPOCHS
+        (
+            f"{short}, an MLP-Mixer (D 128, 9 blocks) pretrained with MPP; from scratch: the ViT",
+            MIXER_ARM,
+            UNTUNED_SCRATCH[1.0][0],
+            sweep_text(r, MIXER_SWEEP),
+        ),
+        (
+            f"{long}, random shifts of up to 2 px in every run ({shift})",
+            *SHIFT_ARMS,
+            f"{sweep_choice(r, LONG_SWEEP)}, the flips-only {long} sweep's (not swept)",
+        ),
+        (
+            f"{S.P4_PRETRAIN_EPOCHS} + {S.P4_FINETUNE_EPOCHS} (seed 0), 4x4 patches (7x7 tokens, "
+            "~3x the compute per image)",
+            *P4_ARMS,
+            reused,
         ),
     ]
     for label, ft, base, lr in rows:
-        if r.get(ft) is None and r.get(base) is None:
-            continue
-        lines.append(f"| {label} | {_pair(r, ft, base)} | {lr} | {conditions(r, [ft, base])} |")
+        if shown(r, ft):
+            cells = f"{_pair(r, ft, base)} | {lr} | {conditions(r, [ft, base])}"
+            lines.append(f"| {label} | {cells} |")
     hires = r.output(HIRES_ARM)
-    if hires is not None:
-        st = start(r, HIRES_ARM)
+    if hires is not None and shown(r, HIRES_ARM):
         lines.append(
             f"| {long}, fine-tuned at {S.HIRES} px (6x6 tokens, ~2.4x the fine-tuning compute; "
-            f"the paper's B.1.1) | {st.text() if st else '-'} | {pct(r.selected(HIRES_ARM))} | "
+            f"the paper's B.1.1) | {_origin(r, HIRES_ARM)} | {pct(r.selected(HIRES_ARM))} | "
             f"- | - | the 28 px sweep's (held-out top-1 {pct(hires['selection_best_top1'])}) | "
             f"{conditions(r, [HIRES_ARM])} |"
         )
     return lines
 
 
-def gpu_tables(r: Results, a: dict[str, list[str]]) -> list[str]:
+def gpu_tables(r: Results) -> list[str]:
     """The runs on one GPU in bf16: apart from the CPU's fp32 rows (another device, precision
     and code version), the frozen evaluations of their exports with them."""
-    reused = reused_lr(r, a)
+    reused = reused_lr(r)
     tuned = tuned_scratch(r, S.GPU_SWEEP, stand_ins=GPU_SCRATCH[1:])
-    seeds = seed_row(r, "100%", GPU_FT, "mpp_hybrid_gpu", tuned, GPU_SCRATCH)
+    seeds = seed_row(r, "100%", GPU_FT, "mpp_hybrid_gpu_seed0", tuned, GPU_SCRATCH)
     rows = [
         # until all three pretrainings have their fine-tunes: a row per pretraining run so far
         *(
@@ -655,8 +483,8 @@ def gpu_tables(r: Results, a: dict[str, list[str]]) -> list[str]:
     if seeds:
         lines += [
             "",
-            "Issue 38's rules on this budget: MPP over three pretrainings (seed 0 is the first "
-            "run), each fine-tuned once, against from scratch at the lr its own seed-0 grid "
+            "Issue 38's rules on this budget: MPP over three pretrainings, each fine-tuned "
+            "once, against from scratch at the lr its own seed-0 grid "
             f"chose on held-out ({', '.join(S.SCRATCH_LRS)}), seeds 1-2 at that lr. A preset-lr "
             "seed stands in for a seed of the tuned arm when the grid chose the preset's lr.",
             "",
@@ -685,11 +513,11 @@ def frozen_lines(r: Results, rows: list[tuple[str, str]]) -> list[str]:
     """A row per set of frozen features (label, evals name); a set whose weights (sha256) an
     earlier row already showed is not repeated: that row names both."""
     kinds = ("knn", "probe", "fewshot")
-    shown: dict[tuple, int] = {}  # (sha256, numbers) -> index in `out`
+    seen: dict[tuple, int] = {}  # (sha256, numbers) -> index in `out`
     out: list[list[str]] = []
     for label, ev in rows:
         steps = [f"{ev}/{k}" for k in kinds if r.get(f"{ev}/{k}") is not None]
-        if not steps:
+        if not steps or not all(shown(r, s) for s in steps):
             continue
         st = one_start(label, [start(r, s) for s in steps])
         cells = [
@@ -701,11 +529,11 @@ def frozen_lines(r: Results, rows: list[tuple[str, str]]) -> list[str]:
             conditions(r, steps),
         ]
         key = (st.sha256, *cells[2:5]) if st is not None and st.sha256 else None
-        if key in shown:  # the same weights measured the same way: one row, both names
-            out[shown[key]][0] += f"; the same weights: {label}"
+        if key in seen:  # the same weights measured the same way: one row, both names
+            out[seen[key]][0] += f"; the same weights: {label}"
             continue
         if key is not None:
-            shown[key] = len(out)
+            seen[key] = len(out)
         out.append(cells)
     return ["| " + " | ".join(c) + " |" for c in out]
 
@@ -750,6 +578,13 @@ def ablations(r: Results) -> list[str]:
     ]
 
 
+DYNAMIC_FROM = "mpp_seed0"  # the pretraining the cascades and fine-tuning recipes start from
+RERUN_PENDING = (
+    "Not rerun yet from a pretraining that records its weights (the study plan's provenance "
+    "reruns): its first results are in no table."
+)
+
+
 def dynamic(r: Results, root: Path, results: Path) -> list[str]:
     """Dynamic ViT: the operating point chosen on held-out, on test, against the finest stage."""
     lines = [
@@ -764,13 +599,11 @@ def dynamic(r: Results, root: Path, results: Path) -> list[str]:
         "finest | images/s / finest |",
         "|---|---|---|---|---|---|",
     ]
-    for label, name in (
-        ("feature + relationship reuse", "cascade"),
-        ("no feature reuse", "cascade_no_feature_reuse"),
-        ("no relationship reuse", "cascade_no_relation_reuse"),
-    ):
+    labels = ("feature + relationship reuse", "no feature reuse", "no relationship reuse")
+    for label, (cascade, *_) in zip(labels, S.CASCADES, strict=True):
+        name = f"{cascade}_{DYNAMIC_FROM}"
         out = r.output(f"{name}/dynamic")
-        if out is None:
+        if out is None or not shown(r, name):
             continue
         m = out["metrics"]
         if "matched_top1" not in m:
@@ -782,7 +615,9 @@ def dynamic(r: Results, root: Path, results: Path) -> list[str]:
         ratios = f"{m['matched_gflops_ratio']:.2f}x | {m['matched_speedup']:.2f}x"
         tops = f"{pct(m['finest_top1'])} | {pct(m['matched_top1'])}"
         lines.append(f"| {label} | {_origin(r, name)} | {tops} | {ratios} |")
-    fig = root / results / "cascade" / "dynamic.accuracy_vs_gflops.png"
+    if lines[-1] == "|---|---|---|---|---|---|":  # the header alone
+        lines = [*lines[:-2], RERUN_PENDING]
+    fig = root / results / f"cascade_{DYNAMIC_FROM}" / "dynamic.accuracy_vs_gflops.png"
     return lines + figure_lines(
         fig if fig.is_file() else None, "Dynamic ViT: accuracy against mean GFLOPs per image", root
     )
@@ -820,22 +655,23 @@ def recipes(r: Results) -> list[str]:
     FINETUNE_RECIPES = S.FINETUNE_RECIPES
     lines += [
         "",
-        "MPP fine-tuning recipes (seed 0, same budget):",
+        f"MPP fine-tuning recipes (seed 0, same budget, of `{DYNAMIC_FROM}`; the lr seed 0's "
+        "SGD sweep chose on held-out):",
         "",
         "| recipe | overrides of the fine-tuning preset | started from | held-out top-1 | "
         "test top-1 |",
         "|---|---|---|---|---|",
     ]
-    sweep = r.output("ft_mpp_s0")
-    if sweep is not None:
-        lr, held = sweep["chosen"]["optim.lr"], pct(sweep.get("selection_best_top1"))
-        origin = _origin(r, "ft_mpp_s0")
+    sweep, base = r.output(MPP_SWEEP), mpp_seed_arm(1.0)[0]
+    if sweep is not None and (sgd := r.output(base)) is not None and shown(r, base):
         lines.append(
-            f"| SGD, the sweep's lr | `optim.lr={lr}` | {origin} | {held} | "
-            f"{pct(sweep['selected_top1'])} |"
+            f"| SGD, the sweep's lr | `optim.lr={sweep['chosen']['optim.lr']}` | "
+            f"{_origin(r, base)} | {pct(sgd.get('selection_best_top1'))} | "
+            f"{pct(sgd['selected_top1'])} |"
         )
-    for name, overrides in FINETUNE_RECIPES.items():
-        out = r.output(name)
+    for recipe, overrides in FINETUNE_RECIPES.items():
+        name = f"{recipe}_{DYNAMIC_FROM}"
+        out = r.output(name) if shown(r, name) else None
         args = " ".join(overrides).replace("--sweep ", "--sweep=").split(" ")  # one span each
         what = " ".join(f"`{a}`" for a in args)
         if not any(o.startswith("optim.lr=") for o in overrides) and sweep is not None:
@@ -847,6 +683,8 @@ def recipes(r: Results) -> list[str]:
         if "sweep" in out:  # a sweep of its own: its choice, each value's
             what += f"; chose {sweep_text(r, name)}"
         lines.append(f"| {name} | {what} | {_origin(r, name)} | {held} | {test} |")
+    if not lines[-1].startswith("| ft_recipe"):
+        lines.append(f"\n{RERUN_PENDING}")
     return lines
 
 
@@ -854,7 +692,7 @@ def inspect_figures(root: Path, results: Path) -> list[str]:
     INSPECT_FIGURES = S.INSPECT_FIGURES
     lines = []
     for name in INSPECT_FIGURES:
-        fig = root / results / f"inspect_mpp.{name}"
+        fig = root / results / f"inspect_{DYNAMIC_FROM}.{name}"
         lines += figure_lines(fig if fig.is_file() else None, name.removesuffix(".png"), root)
     return ["", "## Inspecting the MPP backbone (paper sec. 4.5)", *lines] if lines else []
 

@@ -324,7 +324,12 @@ def test_welch_matches_a_textbook_example():
         stats.welch([1.0], [1.0, 2.0])
 
 
+WEIGHTS = {"path": "runs/study/mpp", "sha256": "sha256:" + "cd" * 32, "mlflow_run_id": "p" * 32}
+
+
 def _write(root: Path, name: str, result: dict, **extra) -> None:
+    """A result as the runner writes it; a fine-tune (the default command) records the weights
+    it started from unless `started_from=None` says it predates that."""
     path = root / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     res = {
@@ -334,31 +339,32 @@ def _write(root: Path, name: str, result: dict, **extra) -> None:
         "command": "python evals/finetune.py model.init_from=runs/study/mpp",
         **extra,
     }
+    if "init_from" in res["command"] and "started_from" not in extra:
+        res["started_from"] = WEIGHTS
     path.write_text(json.dumps(res))
 
 
-def test_report_splits_pretrainings_and_tests_the_gap(tmp_path):
-    """Seeds that read different pretrainings never share a row; the gap is Welch's; frozen
-    features of one set of weights show once; the report rebuilds byte for byte."""
+def test_report_shows_only_results_that_record_their_weights(tmp_path):
+    """A result that started from a pretraining without recording its weights is in no row and
+    is named instead; the gap is Welch's; frozen features of one set of weights show once; the
+    report rebuilds byte for byte."""
     res = tmp_path / RES
+    for s, v in enumerate((0.90, 0.92, 0.94)):
+        _write(res, f"ft_mpp_seed{s}_s{s}", {"selected_top1": v})
+        _write(res, f"scratch_s{s}", {"selected_top1": v - 0.05}, command="python x.py")
+    # written before the runner recorded weights, one of them after a rebuilt pretraining
     sweep = {
         "sweep": {"key": "optim.lr", "values": [0.01]},
         "chosen": {"optim.lr": 0.01},
         "selection_best_top1": 0.91,
         "runs": [{"value": 0.01, "selection_best_top1": 0.91}],
     }
-    for seed, (ft, base) in enumerate(((0.85, 0.82), (0.86, 0.83), (0.84, 0.81))):
-        rebuilt = {"rebuilt_needs": {"mpp": {"mlflow_run_id": "r" * 32}}} if seed else {}
-        _write(res, f"ft_mpp_labels10_s{seed}", {**sweep, "selected_top1": ft}, **rebuilt)
-        _write(
-            res,
-            f"scratch_labels10_s{seed}",
-            {"selected_top1": base},
-            command="python pipelines/supervised_pretrain.py",
-        )
-    for s, v in enumerate((0.90, 0.92, 0.94)):
-        _write(res, f"ft_mpp_s{s}", {**sweep, "selected_top1": v})
-        _write(res, f"scratch_s{s}", {"selected_top1": v - 0.05}, command="python x.py")
+    _write(res, "ft_mpp_s0", {**sweep, "selected_top1": 0.991}, started_from=None)
+    rebuilt = {"mpp": {"mlflow_run_id": "r" * 32}}
+    _write(
+        res, tables.LONG_ARMS[0], {"selected_top1": 0.992}, started_from=None, rebuilt_needs=rebuilt
+    )
+    _write(res, tables.LONG_ARMS[1], {"selected_top1": 0.88}, command="python x.py")
     for ev in ("mpp_e2", "mpp_long_e2"):  # one set of weights under two names
         for kind in ("knn", "probe"):
             params = {"backbone_id": "sha256:" + "ab" * 32}
@@ -376,14 +382,25 @@ def test_report_splits_pretrainings_and_tests_the_gap(tmp_path):
     text = out.read_text()
     w = stats.welch([0.90, 0.92, 0.94], [0.85, 0.87, 0.89])
     assert f"+5.00 [{100 * w.low:+.2f}, {100 * w.high:+.2f}], p={w.p:.2g}" in text
-    assert "| 6 + 20; 80 | - | mpp (weights not recorded) | 85.00 (n=1) |" in text
-    assert "| mpp (rebuilt) (run rrrrrrrr; weights not recorded) | 85.00 ± 1.41 (n=2) |" in text
-    assert "+3.00 (one seed: no CI)" in text
+    assert "99.10" not in text and "99.20" not in text and "weights not recorded" not in text
+    assert "| 16 + 4 (seed 0) |" not in text  # its fine-tune is hidden: no row
     assert len(re.findall(r"sha256 abababababab", text)) == 1
     assert "(6-epoch run); the same weights: MPP after 2 epochs (16-epoch run)" in text
     assert "95% CI of MPP minus from scratch lies above 0" in text and "| pending |" not in text
     first = out.read_bytes()
     assert report.write_report([], tmp_path).read_bytes() == first
+    plan = [steps.Step(n, [], Path(n)) for n in ("ft_mpp_s0", tables.LONG_ARMS[0], "scratch_s0")]
+    said = "\n".join(report.hidden_results(Results(res), plan))
+    assert (
+        said.startswith("\n2 results are in no table")
+        and "`ft_mpp_s0`, `ft_mpp_long_seed0_s0`" in said
+    )
+    # the same step, rerun so that it records its weights, has its row
+    _write(res, tables.LONG_ARMS[0], {"selected_top1": 0.89})
+    assert (
+        "| 16 + 4 (seed 0) | mpp (run pppppppp; sha256 cdcdcdcdcdcd) | 89.0 | 88.0 | +1.00 |"
+        in ("\n".join(tables.longer_schedule(Results(res))))
+    )
     # one label cannot hold two sets of weights
     a, b = records.Start("mpp", "x", "sha256:1"), records.Start("mpp", "y", "sha256:2")
     with pytest.raises(ValueError, match="different pretrainings"):
@@ -439,27 +456,16 @@ def test_scratch_lr_grid_chooses_on_held_out_once_the_grid_is_done(tmp_path):
     assert "The choice is at an edge of the grid at 1% (5e-4)" in text
 
 
-def test_pretraining_seeds_table_shows_each_seeds_fine_tune_as_far_as_run(tmp_path):
-    r = Results(tmp_path)
-    assert tables.pretraining_seeds(r) == []  # nothing of the extra seeds yet: no table
-    _write(tmp_path, "ft_mpp_labels1_s0", {"selected_top1": 0.7573})
-    _write(tmp_path, "ft_mpp_seed1_labels1_s1", {"selected_top1": 0.7412})
-    text = "\n".join(tables.pretraining_seeds(r))
-    assert "| 1% | 75.73 | - | 74.12 | - |" in text
-    assert "| 100% |" not in text  # a share none of whose extra seeds has run
-    assert "widest range over pretraining seeds so far is 1.61 points, at 1% of" in text
-
-
 def test_seeds_table_tests_three_pretrainings_against_the_tuned_arm(tmp_path):
     """A share shows once all three pretrainings are fine-tuned; from scratch's arm is its grid's
     held-out choice (seed 0) and that lr's seeds 1-2, tested with Welch's t."""
     r = Results(tmp_path)
-    for s, v in zip((0, 1, 2), (0.75, 0.74, 0.73), strict=True):
-        name = "ft_mpp_labels1_s0" if s == 0 else f"ft_mpp_seed{s}_labels1_s{s}"
-        if s < 2:
-            _write(tmp_path, name, {"selected_top1": v})
-    assert tables.seeds_table(r, tables.arms()) == []  # two pretrainings of three: no row
+    _write(tmp_path, "ft_mpp_seed1_labels1_s1", {"selected_top1": 0.74})
     _write(tmp_path, "ft_mpp_seed2_labels1_s2", {"selected_top1": 0.73})
+    # seed 0 without the weights it started from does not count
+    _write(tmp_path, "ft_mpp_seed0_labels1_s0", {"selected_top1": 0.75}, started_from=None)
+    assert tables.seeds_table(r, tables.arms()) == []  # two pretrainings of three: no row
+    _write(tmp_path, "ft_mpp_seed0_labels1_s0", {"selected_top1": 0.75})
     held = {"5e-4": 0.70, "1e-3": 0.72, "2e-3": 0.72, "4e-3": 0.71}  # a tie: the first wins
     for lr, h in held.items():
         _write(tmp_path, steps.scratch_lr_step(0.01, lr).name, {"selection_best_top1": h})
@@ -486,16 +492,11 @@ def test_seeds_table_tests_three_pretrainings_against_the_tuned_arm(tmp_path):
     assert f"- 1% of the labels: +3.00 points [{100 * w.low:+.2f}" in head
     assert "Not yet answered at 10%, 30%, 100% of the labels" in head
     assert "ahead (the goal: the interval above 0) at 1% of the labels; behind at no share" in head
-    # seed 0 pretrained again with seeds 1-2's code: its fine-tune replaces the first run's
-    _write(tmp_path, "ft_mpp_seed0_labels1_s0", {"selected_top1": 0.76})
-    assert tables.mpp_seed_arm(r, 0.01)[0] == "ft_mpp_seed0_labels1_s0"
-    assert "| 74.33 ± 1.53 (n=3): 76.00, 74.00, 73.00 |" in "\n".join(
-        tables.seeds_table(r, tables.arms())
-    )
+    assert "| 74.00 ± 1.00 (n=3): 75.00, 74.00, 73.00 |" in text
 
 
 def test_gpu_track_follows_issue_38s_rules(tmp_path):
-    """On the GPU track: seeds 1-2 pretrain MPP again and fine-tune it once; from scratch gets
+    """On the GPU track: seeds 0-2 pretrain MPP again and fine-tune it once; from scratch gets
     the grid at the GPU budget; a preset-lr seed stands in for the tuned arm only when the grid
     chose the preset's lr, and the GPU row waits for all three pretrainings."""
     gpu = {s.name: s for s in steps.gpu_seed_runs()}
@@ -520,9 +521,9 @@ def test_gpu_track_follows_issue_38s_rules(tmp_path):
         _write(tmp_path, s, {"selected_top1": 0.915}, recipe=preset)
     lr, tuned = tables.tuned_scratch(r, steps.GPU_SWEEP, stand_ins=tables.GPU_SCRATCH[1:])
     assert (lr, tuned[1:]) == ("1e-3", tables.GPU_SCRATCH[1:])
-    assert "Issue 38's rules" not in "\n".join(tables.gpu_tables(r, tables.arms()))
+    assert "Issue 38's rules" not in "\n".join(tables.gpu_tables(r))
     _write(tmp_path, tables.GPU_FT[2], {"selected_top1": 0.93})
-    assert "| 100% | 92.00 ± 1.00 (n=3)" in "\n".join(tables.gpu_tables(r, tables.arms()))
+    assert "| 100% | 92.00 ± 1.00 (n=3)" in "\n".join(tables.gpu_tables(r))
     # the grid now chooses 2e-3: the preset-lr seeds no longer count
     result = {"selection_best_top1": 0.95, "selected_top1": 0.94}
     _write(tmp_path, steps.scratch_lr_step(steps.GPU_SWEEP, "2e-3").name, result)
