@@ -63,7 +63,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def arm_scores(r: Results, steps: list[str]) -> list[float]:
-    return [v for v in (r.selected(s) for s in steps) if v is not None]
+    """The selected test top-1 of `steps`, of those with a result a table may show (`shown`)."""
+    return [v for v in (r.selected(s) for s in steps if shown(r, s)) if v is not None]
 
 
 def mean_std_text(scores: list[float]) -> str:
@@ -73,14 +74,6 @@ def mean_std_text(scores: list[float]) -> str:
     mean, std = mean_std(scores)
     spread = f" ± {100 * std:.2f}" if len(scores) > 1 else ""
     return f"{100 * mean:.2f}{spread} (n={len(scores)})"
-
-
-def arm_row(r: Results, label: str, steps: list[str], lr: str) -> str:
-    scores = arm_scores(r, steps)
-    if not scores:
-        return f"| {label} | pending | - | {lr} |"
-    each = ", ".join(f"{100 * v:.2f}" for v in scores)
-    return f"| {label} | {mean_std_text(scores)} | {each} | {lr} |"
 
 
 def sweep_choice(r: Results, sweep: str) -> str:
@@ -200,11 +193,6 @@ def device(machine: str) -> str:
     if len(parts) > 3 and parts[3] != "no GPU":
         return parts[3]
     return f"CPU: {', '.join(parts[:2])}"
-
-
-def on_gpu(r: Results, step: str) -> bool:
-    res = r.get(step)
-    return res is not None and "no GPU" not in res["machine"].split("; ")
 
 
 def conditions(r: Results, steps: list[str]) -> str:

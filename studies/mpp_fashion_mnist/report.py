@@ -19,6 +19,7 @@ from studies.mpp_fashion_mnist.records import (
     PROBE,
     SHOTS,
     Results,
+    arm_scores,
     by_start,
     mean_std,
     readout_label,
@@ -166,7 +167,7 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
     MPP and supervised pretraining are the main comparison's three pretrainings."""
     lines = ["", "## Goals", "", "| measure | goal | got | met |", "|---|---|---|---|"]
     row = lambda *args: _goal_row(lines, *args)  # noqa: E731
-    mpp, sup, scratch = (T.scores(r, a[k]) for k in ("mpp", "supervised", "scratch"))
+    mpp, sup, scratch = (arm_scores(r, a[k]) for k in ("mpp", "supervised", "scratch"))
     if mpp:
         m = 100 * mean_std(mpp)[0]
         row("MPP fine-tuned, mean of seeds", f">= {FT_GOAL}", f"{m:.2f}", m >= FT_GOAL)
@@ -203,7 +204,7 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
         *((f"{label} (post hoc)", [ft]) for label, ft, _ in T.FT_LONG),
     )
     for label, steps in single:
-        if got := T.scores(r, steps):
+        if got := arm_scores(r, steps):
             m, n = 100 * mean_std(got)[0], len(got)
             row(
                 f"MPP fine-tuned, {label} ({n} seed{'s' * (n > 1)})",
@@ -220,18 +221,18 @@ def goals(r: Results, a: dict[str, list[str]]) -> list[str]:
     )
     for label, ft, base in pairs:
         for _, group in by_start(r, ft):
-            x, y = T.scores(r, group), T.scores(r, base)
+            x, y = arm_scores(r, group), arm_scores(r, base)
             if x and y:
                 _gap_goal(lines, label, x, y)
     # issue 38: three pretrainings against the tuned from scratch, per share and on the GPU
     arms = [(f, T.mpp_seed_arm(f), None, f"{100 * f:g}% of the labels") for f in S.SCRATCH_SHARES]
     arms.append((S.GPU_SWEEP, T.GPU_FT, T.GPU_SCRATCH[1:], "the hybrid on a GPU"))
     for share, mpp, stand_ins, where in arms:
-        x = T.scores(r, mpp)
+        x = arm_scores(r, mpp)
         lr, tuned = T.tuned_scratch(r, share, stand_ins=stand_ins)
         if len(x) == len(mpp) and tuned:
             label = f"{where}, three pretrainings, from scratch at lr {lr}"
-            _gap_goal(lines, label, x, T.scores(r, tuned))
+            _gap_goal(lines, label, x, arm_scores(r, tuned))
     for label, ev, rand in READOUTS:
         for what, kind, key, goal in (
             ("kNN (k=20)", "knn", KNN, 87.0),

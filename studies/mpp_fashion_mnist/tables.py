@@ -19,6 +19,7 @@ from studies.mpp_fashion_mnist.records import (
     KNN,
     PROBE,
     Results,
+    arm_scores,
     by_start,
     conditions,
     fewshot,
@@ -75,17 +76,12 @@ def arms() -> dict[str, list[str]]:
     }
 
 
-def scores(r: Results, steps: list[str]) -> list[float]:
-    """The selected test top-1 of `steps`, of those with a result a table may show."""
-    return [v for v in (r.selected(s) for s in steps if shown(r, s)) if v is not None]
-
-
 def arm_rows(r: Results, label: str, steps: list[str], lr: str) -> list[str]:
     """One row per pretraining the arm's seeds started from (none: one row); nothing for an
     arm without results."""
     rows = []
     for st, group in by_start(r, steps):
-        vals = scores(r, group)
+        vals = arm_scores(r, group)
         each = ", ".join(f"{100 * v:.2f}" for v in vals)
         origin = st.text() if st else "-"
         rows.append(
@@ -148,7 +144,7 @@ def seed_row(
     the image passes) against from scratch at its own lr (`tuned`: tuned_scratch's answer) and
     at the preset's; None until every pretraining has its fine-tune."""
     lr, steps = tuned
-    x, y, z = scores(r, mpp), scores(r, steps), scores(r, untuned)
+    x, y, z = arm_scores(r, mpp), arm_scores(r, steps), arm_scores(r, untuned)
     if len(x) < len(mpp):  # a row is shown with all three pretrainings or not at all
         return None
     origins = ", ".join(st.text() if st else "-" for st in (start(r, s) for s in mpp))
@@ -192,7 +188,7 @@ def seeds_table(r: Results, a: dict[str, list[str]]) -> list[str]:
     if not rows:
         return []
     supervised = a["supervised"]
-    sup, mpp = scores(r, supervised), scores(r, a["mpp"])
+    sup, mpp = arm_scores(r, supervised), arm_scores(r, a["mpp"])
     if len(sup) == len(supervised) and len(mpp) == len(supervised):
         rows.append(
             f"\nSupervised pretraining on all the labels, three pretrainings (seeds 0-2, each "
@@ -229,9 +225,9 @@ def headline(r: Results) -> list[str]:
     from scratch at its own lr (where that arm has 2+ seeds), with its 95% CI."""
     said, waiting, above, below, level = [], [], [], [], []
     for f in S.SCRATCH_SHARES:
-        x = scores(r, mpp_seed_arm(f))
+        x = arm_scores(r, mpp_seed_arm(f))
         lr, tuned = tuned_scratch(r, f)
-        y = scores(r, tuned)
+        y = arm_scores(r, tuned)
         if len(x) < len(S.PRETRAIN_SEEDS) or len(y) < 2:
             waiting.append(f"{100 * f:g}%")
             continue
