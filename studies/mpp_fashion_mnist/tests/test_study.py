@@ -529,3 +529,38 @@ def test_gpu_track_follows_issue_38s_rules(tmp_path):
     _write(tmp_path, steps.scratch_lr_step(steps.GPU_SWEEP, "2e-3").name, result)
     lr, tuned = tables.tuned_scratch(r, steps.GPU_SWEEP, stand_ins=tables.GPU_SCRATCH[1:])
     assert (lr, tuned) == ("2e-3", [steps.scratch_lr_step(steps.GPU_SWEEP, "2e-3").name])
+
+
+def test_provenance_reruns_repeat_their_first_runs():
+    """Each rerun is its first run's command but for the run directory, the pretraining it
+    reads, its exports and an explicit seed 0; a fine-tune takes the lr its first run's sweep
+    chose instead of sweeping again."""
+    plan = {s.name: s for s in steps.plan()}
+    varying = ("run.dir=", "model.init_from=", "run.export_epochs=", "run.seed=", "optim.lr=")
+
+    def fixed(name: str) -> list[str]:
+        args = [a for a in plan[name].args() if not a.startswith(varying)]
+        return [a.replace("_seed0", "") for a in args if a != "--sweep"]  # paths: the first run's
+
+    first = {
+        "ft_mpp_seed0_longft_s0": "ft_mpp_longft_s0",
+        "ft_mpp_seed0_longft12_s0": "ft_mpp_longft12_s0",
+        "mpp_long_seed0": "mpp_long",
+        "ft_mpp_long_seed0_s0": "ft_mpp_long_s0",
+        "mpp_hybrid_seed0": "mpp_hybrid",
+        "ft_mpp_hybrid_seed0_s0": "ft_mpp_hybrid_s0",
+        "mixer_seed0": "mixer",
+        "ft_mixer_seed0_s0": "ft_mixer_s0",
+        "inspect_mpp_seed0": "inspect_mpp",
+        "cascade_no_relation_reuse_mpp_seed0": "cascade_no_relation_reuse",
+        "ft_mpp_long_seed0_42px": "ft_mpp_long_42px",
+        "ft_recipe_layer_decay_mpp_seed0": "ft_recipe_layer_decay",
+        "mpp_p4_seed0": "mpp_p4",
+    }
+    reruns = {s.name: s for s in steps.provenance_reruns()}
+    assert set(first) <= set(reruns)
+    for rerun, original in first.items():
+        assert fixed(rerun) == fixed(original), rerun
+        assert all(n in reruns or n == "mpp_seed0" for n in reruns[rerun].needs), rerun
+    lr = [a for a in plan["ft_mixer_seed0_s0"].args() if a.startswith("optim.lr=")]
+    assert lr == [f"optim.lr={steps.chosen_lr('ft_mixer_s0')}"]
