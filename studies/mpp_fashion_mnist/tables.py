@@ -346,6 +346,12 @@ def _pair(r: Results, finetune: str, scratch: str | None) -> str:
     return f"{st.text() if st else '-'} | {pct(a)} | {pct(b)} | {gap}"
 
 
+def first_sweep(r: Results, sweep: str) -> str:
+    """The lr a rerun reuses: '0.03, its first run's sweep's (held-out top-1 ...)'."""
+    choice = sweep_choice(r, sweep)
+    return f"{choice}, its first run's sweep's{sweep_text(r, sweep).removeprefix(choice)}"
+
+
 def longer_schedule(r: Results) -> list[str]:
     """MPP pretrained and fine-tuned longer, other models and grids, each against from scratch
     for the same total epochs, beside the main budget's seed 0 (one seed each: no error bar);
@@ -377,7 +383,7 @@ def longer_schedule(r: Results) -> list[str]:
     shift = " ".join(f"`{o}`" for o in S.SHIFT)
     main_seed0 = mpp_seed_arm(1.0)[0]
     rows = [
-        (short, main_seed0, UNTUNED_SCRATCH[1.0][0], sweep_text(r, MPP_SWEEP)),
+        (short, main_seed0, UNTUNED_SCRATCH[1.0][0], first_sweep(r, MPP_SWEEP)),
         *(
             (
                 f"{S.PRETRAIN_EPOCHS} + {e} (seed 0), the main pretraining with a longer fine-tune",
@@ -387,7 +393,7 @@ def longer_schedule(r: Results) -> list[str]:
             )
             for e, (_, ft, base) in zip(S.FT_LONG_EPOCHS, FT_LONG, strict=True)
         ),
-        (long, *LONG_ARMS, sweep_text(r, LONG_SWEEP)),
+        (long, *LONG_ARMS, first_sweep(r, LONG_SWEEP)),
         (
             f"{short}, the paper's hybrid (ResNet stem at 32 px, 2x2 patches of its 8x8 map: 16 "
             "tokens, ~1.3x the compute per image)",
@@ -398,7 +404,7 @@ def longer_schedule(r: Results) -> list[str]:
             f"{short}, an MLP-Mixer (D 128, 9 blocks) pretrained with MPP; from scratch: the ViT",
             MIXER_ARM,
             UNTUNED_SCRATCH[1.0][0],
-            sweep_text(r, MIXER_SWEEP),
+            first_sweep(r, MIXER_SWEEP),
         ),
         (
             f"{long}, random shifts of up to 2 px in every run ({shift})",
