@@ -216,6 +216,30 @@ def _read_output(step, root: Path) -> dict:
     return out
 
 
+def portable(value, root: Path):
+    """`value` (a step's output) with this machine's absolute paths made relative to the
+    repository: under `root`, or under the target of one of its top-level links (`shards`
+    pointing at a shared shard set). Results are committed; a path of one machine means nothing
+    on the next."""
+    root = root.resolve()
+    prefixes = [(str(p.resolve()), p.name) for p in root.iterdir() if p.is_symlink()]
+    prefixes.append((str(root), ""))
+
+    def walk(v):
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, str):
+            for prefix, short in prefixes:
+                if v == prefix or v.startswith(prefix + "/"):
+                    rest = v[len(prefix) + 1 :]
+                    return f"{short}/{rest}".strip("/") if short else rest or "."
+        return v
+
+    return walk(value)
+
+
 def _needs(step, root: Path) -> dict:
     results = root / step.result.parents[step.name.count("/")]
     needs = {}
@@ -337,7 +361,7 @@ def record(
     """Write the step's result (and metric lines). `seconds` is the wall time of this run of
     the command: of its last leg only where it `resumed`. `rebuilt`: the steps it read whose
     export was rebuilt (their result kept, their weights a new run's)."""
-    output = _read_output(step, root)
+    output = portable(_read_output(step, root), root)
     run_id = output.get("mlflow_run_id")
     if run_id is None and step.run_dir and (root / step.run_dir / "mlflow_run_id").is_file():
         run_id = (root / step.run_dir / "mlflow_run_id").read_text().strip()

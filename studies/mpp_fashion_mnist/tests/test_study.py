@@ -428,6 +428,24 @@ def test_a_result_records_the_weights_it_started_from(tmp_path, monkeypatch):
     assert run.started_from(step.args(), tmp_path, ("pre",)) == {**want, "result_id": "r1"}
 
 
+def test_a_result_holds_no_path_of_this_machine(tmp_path):
+    """Absolute paths in a step's output become relative to the repository, also under a
+    top-level link's target (a shard set shared between copies of the tree)."""
+    shared = tmp_path / "elsewhere" / "shards"
+    (shared / "fmnist").mkdir(parents=True)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "shards").symlink_to(shared)
+    output = {
+        "params": {"data": str((shared / "fmnist").resolve()), "keep": "/opt/x"},
+        "runs": [str(tree.resolve() / "runs/study/a"), str(tree.resolve())],
+    }
+    assert run.portable(output, tree) == {
+        "params": {"data": "shards/fmnist", "keep": "/opt/x"},
+        "runs": ["runs/study/a", "."],
+    }
+
+
 def test_image_passes_sum_the_methods_steps_against_from_scratch(tmp_path):
     for step, seen in (("mpp", 350_000), ("ft_a", 117_000), ("scratch_a", 422_000)):
         lines = [{"step": 1, "train/samples_seen": 1000}, {"step": 9, "train/samples_seen": seen}]
