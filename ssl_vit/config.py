@@ -75,6 +75,14 @@ class DataConfig:
     decode: str = "auto"
     read_retries: int = 5  # tries of a failed remote read, with backoff from 1 s, doubling
     read_timeout: float = 60.0  # seconds a remote read may stall before it counts as failed
+    # bytes/s below which an http(s) read fails even while bytes trickle in (ssl_vit.data.urls)
+    min_read_rate: float = float(256 << 10)
+    # seconds without a batch before training stops, naming what the loader was reading
+    stall_timeout: float = 600.0
+    # Bytes read are checked against the manifest's block checksums: "read" checks every block
+    # read whole (held-out samples passed over by a seek leave theirs unchecked, and counted);
+    # "all" reads those too, so every sample trained on is checked (ssl_vit.data.blocks).
+    verify: str = "read"
     # Hashed share of `split` kept out of training to choose on (ssl_vit.data.holdout).
     # None: 0.02 when fine-tuning (the paper's held-out 2%, appendix B.1.1), else 0.
     holdout_fraction: float | None = None
@@ -250,6 +258,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "data.in_memory": (True, False, "auto"),
     "data.missing_shards": ("error", "skip"),
     "data.decode": ("auto", "cpu", "gpu"),
+    "data.verify": ("read", "all"),
 }
 
 
@@ -267,6 +276,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check_cascade_sizes(o.cascade_sizes, m.img_size)
     if cfg.data.read_retries < 1 or cfg.data.read_timeout <= 0:
         raise ConfigError("data.read_retries must be >= 1 and data.read_timeout > 0")
+    if not cfg.data.min_read_rate > 0 or not cfg.data.stall_timeout > 0:
+        raise ConfigError("data.min_read_rate and data.stall_timeout must be > 0")
     if not 0 < o.corrupt_ratio <= 1:
         raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")
     if o.mask_prob < 0 or o.random_prob < 0 or o.mask_prob + o.random_prob > 1:

@@ -62,7 +62,62 @@ class Stall:
     methods: tuple[str, ...] = ("GET",)
 
 
-Fault = Drop | Status | Stall
+@dataclass(frozen=True)
+class Drip:
+    """Send the body `per_second` bytes a second after `after_bytes` at full speed: a server
+    that never goes silent long enough for a per-read timeout, yet never finishes."""
+
+    per_second: float = 1.0
+    after_bytes: int = 0
+    times: int | None = None
+    methods: tuple[str, ...] = ("GET",)
+
+
+@dataclass(frozen=True)
+class Mutate:
+    """Serve the file with the byte at file offset `at` inverted: the shard changed on the
+    server (between epochs, say)."""
+
+    at: int
+    times: int | None = None
+    methods: tuple[str, ...] = ("GET",)
+
+
+@dataclass(frozen=True)
+class Html:
+    """Answer 200 with an HTML page instead of the file, as a login wall or an error page does."""
+
+    times: int | None = None
+    methods: tuple[str, ...] = ("GET",)
+
+
+@dataclass(frozen=True)
+class Length:
+    """Announce Content-Length off by `delta` bytes: shorter (the body is cut there) or longer
+    (the server then sends what it has and waits)."""
+
+    delta: int
+    times: int | None = None
+    methods: tuple[str, ...] = ("GET",)
+
+
+@dataclass(frozen=True)
+class Redirect:
+    """Answer 302 pointing at the same path: a redirect loop."""
+
+    times: int | None = None
+    methods: tuple[str, ...] = ("GET", "HEAD")
+
+
+@dataclass(frozen=True)
+class NoRange:
+    """Ignore Range headers and answer 200 with the whole file, as simple servers do."""
+
+    times: int | None = None
+    methods: tuple[str, ...] = ("GET", "HEAD")
+
+
+Fault = Drop | Status | Stall | Drip | Mutate | Html | Length | Redirect | NoRange
 
 
 @dataclass
@@ -124,6 +179,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._abort(reset=False)
         if isinstance(fault, Status):
             return self._error(fault.code)
+        if isinstance(fault, Redirect):
+            return self._error(302, {"Location": self.path})
+        if isinstance(fault, Html):
+            page = b"<!doctype html><html><body>Please sign in</body></html>\n" * 40
+            self._start(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(page)
+            return
         file = self.server.resolve(path)
         if file is None:
             return self._error(403)
@@ -131,7 +197,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._error(404)
         size = file.stat().st_size
         first, last, code = 0, size - 1, 200
-        if "Range" in self.headers:
+        if "Range" in self.headers and not isinstance(fault, NoRange):
             try:
                 span = _byte_range(self.headers["Range"], size)
             except ValueError:
@@ -143,16 +209,39 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if code == 206:
             self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
         self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(last + 1 - first))
-        self.send_header("Accept-Ranges", "bytes")
+        todo = last + 1 - first
+        announced = todo + fault.delta if isinstance(fault, Length) else todo
+        self.send_header("Content-Length", str(announced))
+        if not isinstance(fault, NoRange):
+            self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
         if head:
             return
+        if isinstance(fault, Mutate):
+            data = bytearray(file.read_bytes()[first : last + 1])
+            if first <= fault.at <= last:
+                data[fault.at - first] ^= 0xFF
+            self.server.count_sent(self._hit, len(data))
+            self.wfile.write(bytes(data))
+            return
+        if isinstance(fault, Length):
+            with open(file, "rb") as f:
+                f.seek(first)
+                self._copy(f, min(todo, announced))
+            if announced > todo:  # promised more than there is: hold the connection open
+                self.server.stopping.wait(30)
+            return
         with open(file, "rb") as f:
             f.seek(first)
-            todo = last + 1 - first
-            before = todo if fault is None else min(todo, fault.after_bytes)
+            before = todo if not hasattr(fault, "after_bytes") else min(todo, fault.after_bytes)
             self._copy(f, before)
+            if isinstance(fault, Drip):
+                while todo > before and not self.server.stopping.wait(1 / fault.per_second):
+                    self._copy(f, 1)
+                    before += 1
+                if todo > before:  # the server is closing
+                    self._abort(reset=False)
+                return
             if isinstance(fault, Drop):
                 return self._abort(fault.reset)
             if isinstance(fault, Stall) and self.server.stopping.wait(fault.seconds):

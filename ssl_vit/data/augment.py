@@ -60,6 +60,12 @@ _RESAMPLE = getattr(torch._C._nn, "_upsample_bilinear2d_aa", None)
 TORCH_RESIZE_MIN = 112
 
 
+class LabelOutOfRange(ValueError):
+    """A label that is not one of the manifest's classes: the shards and their manifest
+    disagree, so every label may be wrong. Training stops rather than skip it (a skipped sample
+    would hide a mislabelled set)."""
+
+
 class CorruptSample(ValueError):
     """A sample that cannot be used (undecodable image, bad or missing label, no image)."""
 
@@ -190,16 +196,18 @@ def decode_with_pil(data: bytes, channels: int) -> np.ndarray:  # (H, W) or (H, 
             return np.asarray(raw.convert("L" if channels == 1 else "RGB"))
 
 
-def decode_sample(sample: dict, *, channels: int, labelled: bool) -> tuple[np.ndarray, int]:
+def decode_sample(
+    sample: dict, *, channels: int, labelled: bool, num_classes: int | None = None
+) -> tuple[np.ndarray, int]:
     """Decode a raw webdataset sample dict to ((H, W) or (H, W, 3) uint8 pixels, label); raise
-    CorruptSample saying what is wrong."""
+    CorruptSample saying what is wrong (LabelOutOfRange: see sample_label)."""
     data = sample_image(sample)
     try:
         img = _decode_image(data, channels)
     except Exception as e:  # PIL and libpng raise many types for bad data
         key = sample.get("__key__", "?")
         raise CorruptSample(f"{key}: undecodable image ({type(e).__name__}: {e})") from None
-    return img, sample_label(sample, labelled=labelled)
+    return img, sample_label(sample, labelled=labelled, num_classes=num_classes)
 
 
 def sample_image(sample: dict) -> bytes:
@@ -211,14 +219,20 @@ def sample_image(sample: dict) -> bytes:
     return data
 
 
-def sample_label(sample: dict, *, labelled: bool) -> int:
-    """The sample's integer label (-1 in an unlabelled set); CorruptSample when it is bad."""
+def sample_label(sample: dict, *, labelled: bool, num_classes: int | None = None) -> int:
+    """The sample's integer label (-1 in an unlabelled set); CorruptSample when it is bad, and
+    LabelOutOfRange when it is not one of the manifest's `num_classes` classes."""
     key = sample.get("__key__", "?")
     if "cls" in sample:
         try:
             label = int(sample["cls"].decode("ascii").strip())
         except (UnicodeDecodeError, ValueError):
             raise CorruptSample(f"{key}: .cls is not an ascii integer") from None
+        if num_classes is not None and not 0 <= label < num_classes:
+            raise LabelOutOfRange(
+                f"{key}: .cls is {label}, not a class of the manifest's {num_classes}; "
+                "the shard and its manifest disagree: fix or re-create the shard set"
+            )
     elif labelled:
         raise CorruptSample(f"{key}: no .cls in a labelled shard set")
     else:

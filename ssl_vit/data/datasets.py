@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .augment import (
     CorruptSample,
+    LabelOutOfRange,
     decode_sample,
     eval_transform,
     mix_seed,
@@ -26,7 +27,7 @@ from .augment import (
     train_transform,
 )
 from .device_decode import crop_box_for, jpeg_size
-from .shards import ReadCounter, ShardRef, read_shard, report_skip
+from .shards import ReadCounter, ShardReadError, ShardRef, read_shard, report_skip
 from .stream_plan import Exclusions, Piece, exact_pieces, resampled_pieces, stream_quota
 from .urls import Retry
 
@@ -60,6 +61,7 @@ class TrainStream(IterableDataset):
     _: KW_ONLY
     channels: int
     labelled: bool
+    num_classes: int | None  # the manifest's; a label outside it stops the run
     rank: int
     world_size: int
     workers: int  # loader worker processes (at least 1)
@@ -161,6 +163,8 @@ class TrainStream(IterableDataset):
                     pos += 1
                     try:
                         img, label = self._prepare(sample, aug_rng)
+                    except LabelOutOfRange as e:
+                        raise ShardReadError(f"{sample.get('__url__')}: {e}") from None
                     except CorruptSample as e:
                         self.counter.add(samples=1)
                         report_skip(f"{sample.get('__url__')}: {e}")
@@ -185,12 +189,14 @@ class TrainStream(IterableDataset):
             data = sample_image(sample)
             size = jpeg_size(data)
             if size is not None:
-                label = sample_label(sample, labelled=self.labelled)
+                label = sample_label(sample, labelled=self.labelled, num_classes=self.num_classes)
                 box, flip = crop_box_for(
                     *size, rng, augment=self.augment, scale=self.scale, hflip=self.hflip
                 )
                 return (data, box, flip), label
-        img, label = decode_sample(sample, channels=self.channels, labelled=self.labelled)
+        img, label = decode_sample(
+            sample, channels=self.channels, labelled=self.labelled, num_classes=self.num_classes
+        )
         return self._transform(img, rng), label
 
     def _split(self, entries: list, labels: torch.Tensor) -> tuple:
@@ -231,6 +237,7 @@ class EvalStream(IterableDataset):
     _: KW_ONLY
     channels: int
     labelled: bool
+    num_classes: int | None  # the manifest's; a label outside it stops the run
     lo: int  # this rank's positions lo..hi-1 (of the split, or of `subset`)
     hi: int
     batch: int
@@ -277,12 +284,17 @@ class EvalStream(IterableDataset):
             for sample in self._batch_samples(b):
                 try:
                     img, label = decode_sample(
-                        sample, channels=self.channels, labelled=self.labelled
+                        sample,
+                        channels=self.channels,
+                        labelled=self.labelled,
+                        num_classes=self.num_classes,
                     )
                     imgs.append(eval_transform(img, self.img_size))
                     labels.append(label)
                     keys.append(sample["__key__"])
                     indices.append(sample["__index__"])
+                except LabelOutOfRange as e:
+                    raise ShardReadError(f"{sample.get('__url__')}: {e}") from None
                 except CorruptSample as e:
                     self.counter.add(samples=1)
                     report_skip(f"{sample.get('__url__')}: {e}")

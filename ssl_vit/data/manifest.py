@@ -17,7 +17,8 @@ manifest.json (format_version 1):
         "train": {"num_samples": 60000,
                   "shards": [{"name": "train-000000.tar", "num_samples": 5000,
                               "bytes": 12345678, "sha256": "...",
-                              "offsets": [0, 309248, ...]}, ...]},
+                              "offsets": [0, 309248, ...],
+                              "block_sha256": ["...", ...]}, ...]},
         "test": {...}
       },
       "class_names": ["T-shirt/top", ...],   # null for an unlabelled set
@@ -33,6 +34,9 @@ manifest.json (format_version 1):
 `offsets` (optional; shard sets made before it have none) is the byte offset in the tar of
 samples 0, index_every, 2 * index_every, ... of the shard: a reader that starts inside a shard
 seeks there (a ranged request for a remote shard) instead of reading the shard's head.
+`block_sha256` (optional too) holds the sha256 of each block between consecutive offsets, the
+last one running to the end of the file: what readers check every read against
+(ssl_vit.data.blocks).
 
 This module depends only on the standard library so data_prep runs without torch.
 """
@@ -46,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.data.urls import join, local_path, normalise_root, read_bytes
+from ssl_vit.data.urls import is_missing, join, local_path, normalise_root, read_bytes, reason
 from ssl_vit.io import atomic_write_text
 
 FORMAT = "ssl-vit-shards"
@@ -66,6 +70,7 @@ class ShardInfo:
     bytes: int
     sha256: str
     offsets: list[int] | None = None  # byte offsets of samples 0, index_every, ... (see above)
+    block_sha256: list[str] | None = None  # sha256 of the bytes between offsets (data.blocks)
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class Manifest:
         root = local_path(self.root or ".")
         if root is None:
             raise ValueError(f"{self.root}: not a local shard set")
-        return [root / s.name for s in self.split(split).shards]
+        return [Path(join(str(root), s.name)) for s in self.split(split).shards]
 
     def to_json(self) -> dict[str, Any]:
         """The manifest.json object. The optional index (`offsets`, `index_every`) is left out
@@ -119,8 +124,9 @@ class Manifest:
             del body["index_every"]
         for split in body["splits"].values():
             for shard in split["shards"]:
-                if shard["offsets"] is None:
-                    del shard["offsets"]
+                for key in ("offsets", "block_sha256"):
+                    if shard[key] is None:
+                        del shard[key]
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **body}
 
 
@@ -150,13 +156,15 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
     path = join(root, MANIFEST_NAME)
     try:
         data = read_bytes(path)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise ManifestError(
-            f"{path}: not found; point at a shard set made by data_prep/make_shards.py"
-        ) from None
     except Exception as e:  # a server or bucket that cannot be reached, after the retries
+        if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)) and (
+            is_missing(e) or local_path(path) is not None
+        ):
+            raise ManifestError(
+                f"{path}: not found; point at a shard set made by data_prep/make_shards.py"
+            ) from None
         raise ManifestError(
-            f"{path}: unreadable ({type(e).__name__}: {e}); check the URL and the credentials"
+            f"{path}: unreadable ({reason(e)}); check the URL, the server and the credentials"
         ) from None
     try:
         raw = json.loads(data.decode("utf-8"))

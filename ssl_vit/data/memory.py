@@ -93,6 +93,7 @@ def _decode_split(
         shards,
         channels=manifest.channels,
         labelled=manifest.class_names is not None,
+        num_classes=manifest.num_classes,
         lo=0,
         hi=n,
         batch=1024,

@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 import ssl_vit
+from ssl_vit.data.blocks import block_digests
 from ssl_vit.data.imaging import (
     BadImage,
     Encoded,
@@ -344,7 +345,7 @@ def merge(
             name = f"{rec.split}-{counters.get(rec.split, 0):06d}.tar"
             counters[rec.split] = counters.get(rec.split, 0) + 1
             os.replace(work / p.name, out / name)
-            shards.append(ShardInfo(name, p.num_samples, p.bytes, p.sha256, offsets[p.name]))
+            shards.append(ShardInfo(name, p.num_samples, p.bytes, p.sha256, *offsets[p.name]))
         errors.extend(rec.errors)
         mixed |= rec.mixed_sizes
         if rec.image_size:
@@ -374,11 +375,14 @@ def merge(
     return Summary(kept, len(errors), len(groups) - reused, reused, merged=True)
 
 
-def _part_offsets(path: Path, num_samples: int, every: int) -> list[int]:
-    """The part's sample offsets (every `every`-th), checked against its recorded count."""
+def _part_offsets(path: Path, num_samples: int, every: int) -> tuple[list[int], list[str]]:
+    """The part's sample offsets (every `every`-th), checked against its recorded count, and
+    the sha256 of each block between them (ssl_vit.data.blocks): one more read of the part,
+    which the merge has just had the writer put in the page cache."""
     try:
         with open(path, "rb") as f:
             offsets = sample_offsets(f, every)
+            digests = block_digests(f, offsets, path.stat().st_size)
     except ValueError as e:
         raise JobError(f"{path}: unreadable part ({e}); delete it and rerun its job") from None
     if len(offsets) != -(-num_samples // every):
@@ -386,7 +390,7 @@ def _part_offsets(path: Path, num_samples: int, every: int) -> list[int]:
             f"{path}: holds another number of samples than its record says ({num_samples}); "
             "delete it and rerun its job"
         )
-    return offsets
+    return offsets, digests
 
 
 def _already_done(out: Path) -> Summary:

@@ -70,10 +70,14 @@ from .device_decode import DeviceDecodeError, decode_crop_batch
 from .holdout import excluded_indices, held_out_indices
 from .manifest import Manifest, load_manifest
 from .memory import LoaderCounts, MemoryTrainLoader, load_training_samples
-from .shards import ReadCounter, report_skip, select_shards
+from .shards import ReadCounter, ShardReadError, report_skip, select_shards
 from .stream_plan import Exclusions, read_factor
 from .urls import Retry
 from .workers import worker_context
+
+# Seconds a loader may go without a batch (its workers' start included) before it stops: far
+# above any honest batch time, short of a job that waits all night (data.stall_timeout).
+STALL_TIMEOUT = 600.0
 
 
 class ShardLoader(LoaderCounts):
@@ -104,8 +108,28 @@ class ShardLoader(LoaderCounts):
             )
         return self._loader
 
+    def _batches(self) -> Iterator[tuple]:
+        """The DataLoader's batches; a stall past `timeout` becomes one line naming what the
+        workers were reading (torch's own error names none)."""
+        it = iter(self._dataloader())
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except RuntimeError as e:
+                if "timed out" not in str(e):
+                    raise
+                raise ShardReadError(
+                    f"no batch from the data loader in {self._dl['timeout']:g} s "
+                    f"(data.stall_timeout); its workers last opened "
+                    f"{self.counter.reading() or 'nothing'}; check that source, or raise "
+                    "data.stall_timeout"
+                ) from None
+            yield batch
+
     def __iter__(self) -> Iterator[tuple]:
-        for batch in self._dataloader():
+        for batch in self._batches():
             if batch[0].shape[0] > 0:
                 yield batch
 
@@ -153,7 +177,7 @@ class TrainLoader(ShardLoader):
         if not self.dataset.device_decode:
             yield from super().__iter__()
             return
-        for batch in self._dataloader():
+        for batch in self._batches():
             yield self._on_device(*batch)
 
     def _on_device(self, blob, lengths, boxes, flips, where, pixels, labels) -> tuple:
@@ -230,11 +254,13 @@ def check_shared_memory(batch_bytes: int, num_workers: int, prefetch_factor: int
         )
 
 
-def _common(root: str | Path, split: str, num_workers: int, ctx: str | None, missing: str):
+def _common(
+    root: str | Path, split: str, num_workers: int, ctx: str | None, missing: str, verify: str
+):
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     manifest = load_manifest(root)
-    shards = select_shards(manifest, split, missing)  # type: ignore[arg-type]
+    shards = select_shards(manifest, split, missing, verify)  # type: ignore[arg-type]
     mp_ctx = worker_context(ctx)
     return manifest, shards, mp_ctx, ReadCounter(mp_ctx)
 
@@ -274,12 +300,13 @@ def make_train_loader(
     shuffle_initial: int = 500,
     pin_memory: bool | None = None,
     prefetch_factor: int = 2,
-    timeout: float = 0,
+    timeout: float = STALL_TIMEOUT,
     multiprocessing_context: str | None = None,
     in_memory: bool = False,
     device: torch.device | str | None = None,
     resampled: bool = False,
     retry: Retry | None = None,
+    verify: Literal["read", "all"] = "read",
     decode: Literal["cpu", "gpu"] = "cpu",
 ) -> TrainLoader | MemoryTrainLoader:
     """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
@@ -295,13 +322,15 @@ def make_train_loader(
     (ssl_vit.data.device_decode), other images in the workers as always.
     `resampled`: shards drawn with replacement (ssl_vit.data.stream_plan); `retry`: how remote
     reads are retried (ssl_vit.data.urls.Retry); `missing`: a shard that cannot be read stops
-    training ("error") or is counted and passed over ("skip")."""
+    training ("error") or is counted and passed over ("skip"); `verify`: which bytes read are
+    checked against the manifest's block checksums (ssl_vit.data.blocks); `timeout`: seconds
+    without a batch before the loader stops, naming what its workers were reading."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     if global_batch < world_size or global_batch % world_size:
         raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
     manifest, shards, ctx, counter = _common(
-        root, split, num_workers, multiprocessing_context, missing
+        root, split, num_workers, multiprocessing_context, missing, verify
     )
     if in_memory:
         images, labels = load_training_samples(
@@ -340,6 +369,7 @@ def make_train_loader(
         shards,
         channels=manifest.channels,
         labelled=manifest.class_names is not None,
+        num_classes=manifest.num_classes,
         workers=max(1, num_workers),
         batch=global_batch // world_size,
         steps=steps,
@@ -381,9 +411,10 @@ def make_eval_loader(
     holdout_fraction: float | None = None,
     pin_memory: bool | None = None,
     prefetch_factor: int = 2,
-    timeout: float = 0,
+    timeout: float = STALL_TIMEOUT,
     multiprocessing_context: str | None = None,
     retry: Retry | None = None,
+    verify: Literal["read", "all"] = "read",
 ) -> EvalLoader:
     """Every sample of the split exactly once, in manifest order, centre-resized to img_size;
     with world_size > 1, rank r gets the r-th contiguous part. With `holdout_fraction`, only the
@@ -393,7 +424,7 @@ def make_eval_loader(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     manifest, shards, ctx, counter = _common(
-        root, split, num_workers, multiprocessing_context, missing
+        root, split, num_workers, multiprocessing_context, missing, verify
     )
     n = sum(r.num_samples for r in shards)
     subset = None
@@ -409,6 +440,7 @@ def make_eval_loader(
         shards,
         channels=manifest.channels,
         labelled=manifest.class_names is not None,
+        num_classes=manifest.num_classes,
         lo=n * rank // world_size,
         hi=n * (rank + 1) // world_size,
         batch=batch_size,

@@ -15,6 +15,8 @@ with exponential backoff by `Retry`; a file that does not exist (404, no such ke
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,12 +50,30 @@ def normalise_root(root: str | os.PathLike) -> str:
     return os.fspath(root) if is_pipe(os.fspath(root)) else os.fspath(root).rstrip("/")
 
 
+# A file of a shard set is one plain name: no folder part, no leading dot (so no "..") and no
+# character a shell or a URL would read as syntax. Names come from manifests, which are data.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+class UnsafeNameError(ValueError):
+    """A file name from a shard set that could leave the set or reach a shell."""
+
+
 def join(root: str, name: str) -> str:
-    """The URL of file `name` of the set at `root`."""
+    """The URL of file `name` of the set at `root`.
+
+    `name` is untrusted (manifests are data): anything but one plain file name is refused, so a
+    name never reaches a file outside the set nor, through a pipe root, a shell. The user's own
+    command around `{}` is trusted; the name put in its place is quoted all the same."""
+    if not _SAFE_NAME.fullmatch(name):
+        raise UnsafeNameError(
+            f"{name!r}: not a plain file name of a shard set (letters, digits, '_', '-', '.'); "
+            "refusing to read it"
+        )
     if is_pipe(root):
         if "{}" not in root:
             raise ValueError(f"{root!r}: a pipe root needs '{{}}' where the file name goes")
-        return root.replace("{}", name)
+        return root.replace("{}", shlex.quote(name))
     path = local_path(root)
     return str(path / name) if path is not None else f"{root.rstrip('/')}/{name}"
 
@@ -65,6 +85,15 @@ class Retry:
     attempts: int = 5  # tries in all, the first included
     backoff: float = 1.0  # seconds before the second try, doubled for each later one
     timeout: float = 60.0  # seconds a remote read may stall before it counts as failed
+    # bytes/s below which an http(s) request fails even while bytes keep coming (a server
+    # that drips never trips `timeout`): each request must end within
+    # timeout + block / min_rate seconds (92 s for the 8 MiB blocks at the default)
+    min_rate: float = float(256 << 10)
+
+    @property
+    def deadline(self) -> float:
+        """Seconds one ranged http(s) request may take in all."""
+        return self.timeout + _REMOTE_BLOCK / self.min_rate
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """fn(), tried again after transient errors; the last error is raised as it was."""
@@ -95,16 +124,31 @@ def is_missing(error: BaseException | None) -> bool:
     return isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError))
 
 
-def _fsspec_open(url: str, timeout: float):
+def reason(error: BaseException) -> str:
+    """Why a read failed, on one line: the innermost cause (fsspec wraps a refused connection
+    or a redirect loop in a bare FileNotFoundError), with bytes and control characters from a
+    server escaped."""
+    inner = error
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    text = " ".join(str(inner).encode("ascii", "backslashreplace").decode("ascii").split())
+    return f"{type(inner).__name__}: {text[:300]}"
+
+
+def _fsspec_open(url: str, retry: Retry):
     import fsspec
 
     protocol = url.split("://", 1)[0]
+    timeout = retry.timeout
     options: dict = {}
     if protocol in ("http", "https"):
         import aiohttp
 
-        # total=None: a shard may take long to stream; a stall of `timeout` seconds fails it.
-        limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+        # A stall of `timeout` seconds fails a request, and so does one slower than min_rate
+        # in all (`deadline`): fsspec reads a shard in requests of one block each.
+        limits = aiohttp.ClientTimeout(
+            total=retry.deadline, sock_connect=timeout, sock_read=timeout
+        )
         options["client_kwargs"] = {"timeout": limits}
     elif protocol == "s3":
         options["config_kwargs"] = {"read_timeout": timeout, "connect_timeout": timeout}
@@ -112,7 +156,7 @@ def _fsspec_open(url: str, timeout: float):
     return fs.open(path, "rb", block_size=_REMOTE_BLOCK)
 
 
-def open_url(url: str, start: int = 0, *, timeout: float = Retry.timeout) -> tuple[IO[bytes], int]:
+def open_url(url: str, start: int = 0, *, retry: Retry | None = None) -> tuple[IO[bytes], int]:
     """(binary file, the byte offset it is at): at `start` where the source can seek (a local
     file, http(s), s3, gs), at 0 for a pipe (the caller reads up to `start` itself)."""
     path = local_path(url)
@@ -126,7 +170,7 @@ def open_url(url: str, start: int = 0, *, timeout: float = Retry.timeout) -> tup
         from webdataset.gopen import gopen
 
         return gopen(url, "rb"), 0
-    f = _fsspec_open(url, timeout)
+    f = _fsspec_open(url, retry or Retry())
     if start:
         f.seek(start)
     return f, start
@@ -136,7 +180,7 @@ def read_bytes(url: str, retry: Retry | None = None) -> bytes:
     """The whole file at `url` (a manifest, say), retried like shard reads."""
 
     def read() -> bytes:
-        f, _ = open_url(url, timeout=(retry or Retry()).timeout)
+        f, _ = open_url(url, retry=retry)
         with f:
             return f.read()
 

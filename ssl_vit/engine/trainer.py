@@ -182,7 +182,9 @@ def setup(cfg: Config, header: str = "") -> Run:
         missing=d.missing_shards,
         resampled=d.resampled,
         decode=decode,
-        retry=Retry(d.read_retries, timeout=d.read_timeout),
+        retry=Retry(d.read_retries, timeout=d.read_timeout, min_rate=d.min_read_rate),
+        verify=d.verify,  # type: ignore[arg-type]
+        timeout=d.stall_timeout,
         holdout_fraction=cfg.holdout_share,  # chosen on, never trained on
         train_fraction=d.train_fraction,
         in_memory=in_ram,
@@ -340,6 +342,7 @@ def train(cfg: Config, header: str = "") -> Path:
                     "data/shard_errors": reads.shard_errors,
                     "data/read_retries": reads.retries,
                     "data/gbytes_read": reads.bytes_read / 1e9,
+                    "data/unverified_samples": reads.unverified,  # ssl_vit.data.blocks
                 }
                 row = window.flush(
                     extra, run.flops_per_step, run.peak, run.world, run.peak_measured
