@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ssl_vit.data.shard_verify import verify_shard_set
+from ssl_vit.data.manifest import ManifestError
+from ssl_vit.data.shard_verify import add_block_checksums, verify_shard_set
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
         "(http(s)://, s3://, gs://, file://, 'pipe:CMD {}')",
     )
     p.add_argument("--no-decode", action="store_true", help="skip decoding a sample per shard")
+    p.add_argument(
+        "--add-block-checksums",
+        action="store_true",
+        help="once the set verifies, record the block checksums that readers check every read "
+        "against in its manifest (a local set made before they existed)",
+    )
     a = p.parse_args(argv)
     report = verify_shard_set(a.root, decode=not a.no_decode)
     for line in report.lines:
@@ -31,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     for problem in report.problems:
         print(f"verify_shards.py: error: {a.root}: {problem}", file=sys.stderr)
     print(f"{a.root}: {'OK' if report.ok else f'FAILED ({len(report.problems)} problems)'}")
+    if report.ok and a.add_block_checksums:
+        try:
+            added = add_block_checksums(a.root)
+        except ManifestError as e:
+            print(f"verify_shards.py: error: {e}", file=sys.stderr)
+            return 1
+        print(f"{a.root}: block checksums added for {added} shards")
     return 0 if report.ok else 1
 
 

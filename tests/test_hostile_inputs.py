@@ -265,3 +265,33 @@ def test_a_stalled_loader_names_what_it_was_reading(tiny_shards, serve_http):
     line = err.value.one_line()
     assert "no batch from the data loader in 3 s" in line and "train-0000" in line
     assert time.monotonic() - start < 30
+
+
+def test_an_older_set_gains_block_checksums_in_place(tiny_shards, tmp_path):
+    root = _copy(tiny_shards, tmp_path)
+    before = load_manifest(root)
+
+    def strip(body: dict) -> None:
+        for split in body["splits"].values():
+            for shard in split["shards"]:
+                del shard["block_sha256"]
+
+    _edit_manifest(root, strip)
+    verify = [sys.executable, "data_prep/verify_shards.py", str(root), "--no-decode"]
+    proc = subprocess.run([*verify, "--add-block-checksums"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0 and "block checksums added for 5 shards" in proc.stdout, proc
+    assert load_manifest(root).splits == before.splits  # the same digests make_shards wrote
+    data = bytearray((root / SHARD).read_bytes())  # a byte changed: verify names the block
+    at, _ = _member_offset(root / SHARD, ".png", nth=3)
+    data[at] ^= 1
+    (root / SHARD).write_bytes(bytes(data))
+    _reseal(root)  # whole-file sha256 and size agree again; only the block digests cannot
+    _edit_manifest(
+        root,
+        lambda b: _shard_entry(b).update(
+            block_sha256=before.splits["train"].shards[1].block_sha256
+        ),
+    )  # noqa: E501
+    proc = subprocess.run(verify, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1 and "block_sha256[0] does not match" in proc.stderr, proc

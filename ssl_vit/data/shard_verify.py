@@ -4,9 +4,9 @@ index, a decoded sample."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
-import tarfile
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,8 +14,16 @@ from pathlib import Path
 
 from PIL import Image
 
-from ssl_vit.data.manifest import ERRORS_NAME, Manifest, ManifestError, ShardInfo, load_manifest
-from ssl_vit.data.tar_reader import sample_offsets
+from ssl_vit.data.blocks import block_digests
+from ssl_vit.data.manifest import (
+    ERRORS_NAME,
+    Manifest,
+    ManifestError,
+    ShardInfo,
+    load_manifest,
+    write_manifest,
+)
+from ssl_vit.data.tar_reader import TarFormatError, iter_samples, sample_offsets
 from ssl_vit.data.urls import join, local_path, read_bytes
 from ssl_vit.io import sha256_file
 
@@ -34,27 +42,29 @@ class VerifyReport:
 
 
 def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[str]:
-    """Count samples (keys) and decode the first image; return problems."""
+    """Count samples (keys), check labels and decode the first image; return problems. Read
+    with our own tar reader, which ends on any input (tarfile may not, on a crafted pax
+    header)."""
     problems: list[str] = []
-    keys: dict[str, list[str]] = {}
-    first: tuple[str, bytes] | None = None
+    count, bad, first = 0, [], None
     try:
-        with tarfile.open(path, "r:") as tar:
-            for member in tar:
-                base = member.name.rsplit("/", 1)[-1]
-                key, _, ext = base.partition(".")
-                keys.setdefault(key, []).append(ext)
-                if ext == "cls" and m.class_names is not None:
-                    label = int(tar.extractfile(member).read())  # type: ignore[union-attr]
-                    if not 0 <= label < len(m.class_names):
-                        problems.append(f"{path.name}: {key}.cls = {label} is not a class index")
-                if first is None and ext in _IMAGE_EXTS:
-                    first = (member.name, tar.extractfile(member).read())  # type: ignore[union-attr]
-    except (tarfile.TarError, OSError, ValueError) as e:
+        for sample in iter_samples(path):
+            count += 1
+            key = sample["__key__"]
+            images = [e for e in _IMAGE_EXTS if e in sample]
+            if len(images) != 1:
+                bad.append(key)
+            elif first is None:
+                first = (f"{key}.{images[0]}", sample[images[0]])
+            if "cls" in sample and m.class_names is not None:
+                label = sample["cls"].strip()
+                if not label.isdigit() or int(label) >= len(m.class_names):
+                    shown = label[:20].decode("ascii", "backslashreplace")
+                    problems.append(f"{path.name}: {key}.cls = {shown} is not a class index")
+    except TarFormatError as e:
         return [f"{path.name}: unreadable tar ({e})"]
-    if len(keys) != expected:
-        problems.append(f"{path.name}: {len(keys)} samples, manifest says {expected}")
-    bad = [k for k, exts in keys.items() if sum(e in _IMAGE_EXTS for e in exts) != 1]
+    if count != expected:
+        problems.append(f"{path.name}: {count} samples, manifest says {expected}")
     if bad:
         problems.append(f"{path.name}: sample {bad[0]} has no single image ({len(bad)} such)")
     if decode and first is not None:
@@ -81,7 +91,15 @@ def _check_file(path: Path | None, sh: ShardInfo, m: Manifest, decode: bool) -> 
         return [f"{sh.name}: {size} bytes, manifest says {sh.bytes}"]
     if sha256_file(path) != sh.sha256:
         return [f"{sh.name}: sha256 differs from the manifest"]
-    return _check_shard(path, m, sh.num_samples, decode) + _check_offsets(path, sh, m.index_every)
+    problems = _check_offsets(path, sh, m.index_every)
+    if not problems and sh.block_sha256 is not None and sh.offsets is not None:
+        with open(path, "rb") as f:
+            actual = block_digests(f, sh.offsets, size)
+        wrong = [i for i, (a, b) in enumerate(zip(actual, sh.block_sha256, strict=False)) if a != b]
+        if wrong or len(actual) != len(sh.block_sha256):
+            k = wrong[0] if wrong else min(len(actual), len(sh.block_sha256))
+            problems.append(f"{sh.name}: block_sha256[{k}] does not match; re-create the set")
+    return _check_shard(path, m, sh.num_samples, decode) + problems
 
 
 def _check_offsets(path: Path, sh: ShardInfo, every: int | None) -> list[str]:
@@ -185,3 +203,27 @@ def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
         f"mean {m.mean}, std {m.std}, {m.num_skipped} skipped inputs"
     )
     return report
+
+
+def add_block_checksums(root: str | Path) -> int:
+    """Write `block_sha256` for every shard of a local set that lacks it (sets made before
+    readers checked blocks), after the whole set verified; returns how many shards gained
+    them. The manifest is replaced atomically."""
+    m = load_manifest(root)
+    folder = local_path(str(m.root))
+    if folder is None:
+        raise ManifestError(f"{m.root}: block checksums are added to a local set only")
+    if not m.index_every:
+        raise ManifestError(f"{m.root}: has no offset index; re-create it with make_shards.py")
+    added = 0
+    for info in m.splits.values():
+        for i, sh in enumerate(info.shards):
+            if sh.block_sha256 is None and sh.offsets is not None:
+                path = Path(join(str(folder), sh.name))
+                with open(path, "rb") as f:
+                    digests = block_digests(f, sh.offsets, sh.bytes)
+                info.shards[i] = dataclasses.replace(sh, block_sha256=digests)
+                added += 1
+    if added:
+        write_manifest(folder, m)
+    return added
