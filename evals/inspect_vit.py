@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
             except (ValueError, KeyError) as e:  # an export that does not match
                 log.warning("%s: no MPP panel (%s)", args.backbone, e)
     else:
-        size = args.img_size or (manifest.image_size[0] if manifest.image_size else None)
+        size = args.img_size or (min(manifest.image_size) if manifest.image_size else None)
         if size is None:
             raise SystemExit(f"{args.data}: images vary in size; pass --img-size")
         model = build_backbone(

@@ -241,7 +241,7 @@ class EvalStream(IterableDataset):
     lo: int  # this rank's positions lo..hi-1 (of the split, or of `subset`)
     hi: int
     batch: int
-    img_size: int
+    img_size: int | None  # centre-resized to img_size x img_size; None: kept as decoded
     with_keys: bool
     counter: ReadCounter
     subset: np.ndarray | None  # sorted manifest indices (the held-out samples), or None
@@ -289,7 +289,9 @@ class EvalStream(IterableDataset):
                         labelled=self.labelled,
                         num_classes=self.num_classes,
                     )
-                    imgs.append(eval_transform(img, self.img_size))
+                    if self.img_size is not None:
+                        img = eval_transform(img, self.img_size)
+                    imgs.append(img)
                     labels.append(label)
                     keys.append(sample["__key__"])
                     indices.append(sample["__index__"])
@@ -299,12 +301,11 @@ class EvalStream(IterableDataset):
                     self.counter.add(samples=1)
                     report_skip(f"{sample.get('__url__')}: {e}")
             # An empty batch is still sent (and dropped by the loader) to keep worker order.
+            side = self.img_size or 0  # an empty batch's shape (dropped by the loader anyway)
             images = (
                 to_batch(imgs)
                 if imgs
-                else torch.empty(
-                    (0, self.channels, self.img_size, self.img_size), dtype=torch.uint8
-                )
+                else torch.empty((0, self.channels, side, side), dtype=torch.uint8)
             )
             out: tuple = (images, torch.tensor(labels, dtype=torch.int64))
             if self.with_keys:

@@ -97,7 +97,7 @@ def _decode_split(
         lo=0,
         hi=n,
         batch=1024,
-        img_size=h,
+        img_size=None,  # as decoded: the crops are drawn on the whole image, as when streamed
         with_keys=False,
         counter=counter,
         subset=None,
@@ -113,7 +113,7 @@ def _decode_split(
         num_workers=workers,
         multiprocessing_context=ctx if workers > 0 else None,
     ):
-        if imgs.shape[2:] != (h, w):
+        if imgs.shape[0] and imgs.shape[2:] != (h, w):
             raise ValueError(
                 f"{manifest.root}: a {split} image is {tuple(imgs.shape[2:])}, not the "
                 f"manifest's image_size {h}x{w}; rebuild the manifest or set data.in_memory=false"

@@ -160,7 +160,7 @@ def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
             bb.source, bb.source_run_id = resolved.uri, resolved.run_id
         return bb
     m = load_manifest(args.data)
-    size = args.img_size or (m.image_size[0] if m.image_size else None)
+    size = args.img_size or (min(m.image_size) if m.image_size else None)  # the centre square
     if size is None:
         raise FeatureError(f"{args.data}: images have mixed sizes; pass --img-size")
     if args.raw_pixels:
