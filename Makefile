@@ -7,7 +7,7 @@ FMNIST  ?= /usr/share/datasets/fashion-mnist
 SHARDS  ?= shards/fashion-mnist
 RUN     ?= runs/quickstart
 
-.PHONY: setup quickstart test lint bench fashion-mnist offline-kit
+.PHONY: setup quickstart test lint fuzz bench fashion-mnist offline-kit
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -58,6 +58,14 @@ offline-kit: setup fashion-mnist
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The tar reader and the manifest parser fed damaged and random inputs
+# (tests/test_parsers_fuzz.py): each must end, or raise its own one-line error. The suite runs a
+# few hundred inputs of each kind; this runs FUZZ_EXAMPLES of each and prints how many ran.
+FUZZ_EXAMPLES ?= 20000
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -n 0 tests/test_parsers_fuzz.py \
+	    --hypothesis-show-statistics
 
 # Every benchmark side by side, written to BENCHMARKS.md (needs the shards of `make quickstart`).
 bench: setup $(SHARDS)/manifest.json

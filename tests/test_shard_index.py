@@ -171,7 +171,7 @@ def test_old_manifest_without_index_loads_and_serialises_unchanged(tmp_path):
             "train": {
                 "num_samples": 3,
                 "shards": [
-                    {"name": "train-000000.tar", "num_samples": 3, "bytes": 10, "sha256": "ab"}
+                    {"name": "train-000000.tar", "num_samples": 3, "bytes": 10, "sha256": "ab" * 32}
                 ],
             }
         },
@@ -241,10 +241,11 @@ def test_verify_catches_a_wrong_offset(made, tmp_path):
         sh.name, sh.num_samples, sh.bytes, sh.sha256, sh.offsets[:-1]
     )
     write_manifest(copy, m)
-    report = verify_shard_set(copy, decode=False)
+    report = verify_shard_set(copy, decode=False)  # a count that disagrees: refused at load
     assert report.problems == [
-        f"{sh.name}: {len(sh.offsets) - 1} offsets, its samples need {len(sh.offsets)} "
-        f"(one per {m.index_every}); re-create the shard set"
+        f"{copy / 'manifest.json'}: split 'train' shard 0 key 'offsets' has "
+        f"{len(sh.offsets) - 1} entries; {sh.num_samples} samples indexed every {m.index_every} "
+        f"need {len(sh.offsets)}; re-create the manifest with data_prep/make_shards.py"
     ]
 
 

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import io
+import itertools
+import re
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 import webdataset as wds
 
-from ssl_vit.data.tar_reader import TarFormatError, iter_samples
+from ssl_vit.data.tar_reader import (
+    MAX_MEMBER,
+    TarFormatError,
+    iter_samples,
+    read_samples,
+    sample_key,
+)
 
 
 def _tar(path: Path, members: list[tuple[str, bytes]], fmt: int) -> None:
@@ -67,3 +76,85 @@ def test_corrupt_and_cut_short_tars_raise_after_the_good_samples(tmp_path: Path)
     assert next(samples) == {"__key__": "k", "__url__": str(dup), "png": b"1"}
     with pytest.raises(TarFormatError, match="appears twice"):
         next(samples)
+
+
+def _refield(raw: bytes, at: int, start: int, field: bytes) -> bytes:
+    """`raw` with `field` written at byte `start` of the header at `at`, checksum recomputed."""
+    data = bytearray(raw)
+    data[at + start : at + start + len(field)] = field
+    data[at + 148 : at + 156] = b" " * 8
+    data[at + 148 : at + 156] = b"%06o\0 " % sum(data[at : at + 512])
+    return bytes(data)
+
+
+class _Stream:
+    """A stream that cannot seek, recording the size of every read asked of it."""
+
+    def __init__(self, data: bytes) -> None:
+        self.f, self.asked = io.BytesIO(data), []
+
+    def read(self, n: int) -> bytes:
+        self.asked.append(n)
+        return self.f.read(n)
+
+
+def test_a_base256_size_reads_as_its_octal_twin(tmp_path: Path) -> None:
+    path = tmp_path / "shard.tar"
+    _tar(path, [("k.cls", b"12345"), ("k.png", b"png")], tarfile.USTAR_FORMAT)
+    raw = path.read_bytes()
+    twin = _refield(raw, 0, 124, b"\x80" + (5).to_bytes(11, "big"))  # GNU base-256 for 5
+    assert twin != raw
+    ours = list(read_samples(io.BytesIO(twin), "t"))
+    assert ours == list(read_samples(io.BytesIO(raw), "t"))
+    assert ours[0][1]["cls"] == b"12345"
+
+
+def test_a_declared_size_is_checked_before_it_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "shard.tar"
+    _tar(path, [("k.cls", b"1")], tarfile.USTAR_FORMAT)
+    raw = path.read_bytes()
+    huge = _refield(raw, 0, 124, b"%011o\0" % (8**11 - 1))  # 8 GiB: the largest octal size
+    stream = _Stream(huge)
+    with pytest.raises(TarFormatError) as caught:
+        list(read_samples(stream, "t"))
+    assert str(caught.value) == (
+        f"t: the tar header at byte 0 declares {8**11 - 1} bytes, more than a shard member may "
+        f"hold ({MAX_MEMBER})"
+    )
+    assert stream.asked == [512]  # the header alone
+    past = _refield(raw, 0, 124, b"%011o\0" % 50_000)  # fits the limit, not the file
+    with pytest.raises(TarFormatError) as caught:
+        list(read_samples(io.BytesIO(past), "t"))
+    left = len(raw) - 512
+    assert str(caught.value) == (
+        f"t: cut short inside a member (the header at byte 0 declares 50000 bytes, {left} are left)"
+    )
+
+
+def test_every_pax_record_is_parsed(tmp_path: Path) -> None:
+    """Records besides `path` (with spaces and `=` in their values) are read past."""
+    path = tmp_path / "shard.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in [("k.cls", b"1"), ("k\u00e9.png", b"png")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.pax_headers = {"comment": "a b=c\n", "mtime": "1.5"}
+            tar.addfile(info, io.BytesIO(data))
+    ours = list(iter_samples(path))
+    assert ours == list(wds.tarfile_samples([{"url": str(path)}]))
+    assert [s["__key__"] for s in ours] == ["k", "k\u00e9"]
+
+
+_WEBDATASET_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+
+
+def test_sample_key_is_webdataset_pattern_in_linear_time() -> None:
+    for n in range(8):  # every name of up to 7 characters of a / . and a line break
+        for chars in itertools.product("a./\n", repeat=n):
+            name = "".join(chars)
+            match = _WEBDATASET_KEY.match(name)
+            assert sample_key(name) == (match and (match.group(1), match.group(2).lower())), name
+    assert sample_key("d/Key.PNG.Json") == ("d/Key", "png.json")
+    start = time.perf_counter()
+    assert sample_key("/" * 1_000_000 + "a") is None  # the pattern: quadratic, hours
+    assert time.perf_counter() - start < 0.5

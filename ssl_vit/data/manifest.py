@@ -38,6 +38,12 @@ seeks there (a ranged request for a remote shard) instead of reading the shard's
 last one running to the end of the file: what readers check every read against
 (ssl_vit.data.blocks).
 
+`load_manifest` treats the file as untrusted: every value must have the type and range above,
+shard names must be `{split}-{digits}.tar` (SHARD_NAME: they are joined to the root, which may
+be a URL or a shell command), and each shard's offsets must start at 0, increase, lie inside
+the shard and number ceil(num_samples / index_every); anything else is a one-line ManifestError
+naming the entry and the key.
+
 This module depends only on the standard library so data_prep runs without torch.
 """
 
@@ -45,7 +51,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,19 +145,172 @@ def write_manifest(root: str | os.PathLike, manifest: Manifest) -> Path:
     return path
 
 
-def _require(obj: dict, key: str, kind: type | tuple, where: Path) -> Any:
-    if key not in obj:
-        raise ManifestError(
-            f"{where}: missing key {key!r}; re-create it with data_prep/make_shards.py"
-        )
-    if not isinstance(obj[key], kind):
-        raise ManifestError(f"{where}: key {key!r} has the wrong type ({type(obj[key]).__name__})")
-    return obj[key]
+# A shard name is joined to the set's root, which may be a folder, a URL or a `pipe:` shell
+# command: only this form can never leave the folder nor be more than a word to a shell.
+SHARD_NAME = re.compile(r"([A-Za-z0-9_]+)-[0-9]+\.tar")  # group 1: the split
+SPLIT_NAME = re.compile(r"[A-Za-z0-9_]+")
+_REDO = "re-create the manifest with data_prep/make_shards.py"
+_SPLIT_KEYS = {"num_samples", "shards"}
+_SHARD_KEYS = {"name", "num_samples", "bytes", "sha256", "offsets", "block_sha256"}
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number",
+               list: "a list", dict: "an object", type(None): "null"}  # fmt: skip
+
+
+def is_shard_name(split: str, name: object) -> bool:
+    """Whether `name` is a valid name of a shard of split `split`: `{split}-{digits}.tar`."""
+    match = SHARD_NAME.fullmatch(name) if isinstance(name, str) else None
+    return match is not None and match.group(1) == split
+
+
+def _short(value: object) -> str:
+    """A value of a manifest, on one line (repr escapes line breaks) and at most 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _show(value: object) -> str:
+    """A value of a manifest with its JSON type, for an error message."""
+    return f"{_short(value)} ({_JSON_TYPES.get(type(value), type(value).__name__)})"
+
+
+def _is_int(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and _SHA256.fullmatch(value) is not None
+
+
+def _is_number(value: object) -> bool:
+    """A finite number that a float holds (JSON has NaN, Infinity and 400-digit integers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+class _Checker:
+    """Checks of the values of one manifest; each failure is a one-line ManifestError naming the
+    manifest, the entry and the key, and what to do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def error(self, where: str, problem: str) -> ManifestError:
+        return ManifestError(f"{self.path}: {where}{problem}; {_REDO}")
+
+    def get(self, obj: dict, key: str, where: str, ok: Callable[[Any], bool], want: str) -> Any:
+        """obj[key] where `ok` accepts it; `want` says what it must be."""
+        if key not in obj:
+            raise self.error(where, f"missing key {key!r}")
+        if not ok(obj[key]):
+            raise self.error(where, f"key {key!r} is {_show(obj[key])}, not {want}")
+        return obj[key]
+
+    def entry(self, obj: object, keys: set[str], where: str) -> dict:
+        """A split or shard entry: an object with no keys but `keys`."""
+        if not isinstance(obj, dict):
+            raise self.error(where, f"is {_show(obj)}, not an object")
+        unknown = sorted(set(obj) - keys)
+        if unknown:
+            raise self.error(where, f"has the unknown key {unknown[0]!r} (known: {sorted(keys)})")
+        return obj
+
+    def shard(self, split: str, i: int, raw: object, every: int | None) -> ShardInfo:
+        where = f"split {split!r} shard {i} "
+        sh = self.entry(raw, _SHARD_KEYS, where)
+        name = self.get(sh, "name", where, lambda v: isinstance(v, str), "a string")
+        if not is_shard_name(split, name):
+            raise ManifestError(
+                f"{self.path}: {where}has the name {_short(name)}; shard names must be "
+                f"<split>-<digits>.tar ({_REDO})"
+            )
+        n = self.get(sh, "num_samples", where, lambda v: _is_int(v, 0), "an integer >= 0")
+        size = self.get(sh, "bytes", where, lambda v: _is_int(v, 0), "an integer >= 0")
+        hex64 = "64 lower-case hex digits"
+        sha = self.get(sh, "sha256", where, _is_sha256, hex64)
+        offsets = sh.get("offsets")
+        if offsets is not None:
+            self.offsets(where, offsets, n, size, every)
+        blocks = sh.get("block_sha256")
+        if blocks is not None:
+            ok = isinstance(blocks, list) and all(_is_sha256(b) for b in blocks)
+            if not ok:
+                raise self.error(
+                    where, f"key 'block_sha256' is {_show(blocks)}, not a list of {hex64}"
+                )
+            if offsets is None or len(blocks) != len(offsets):
+                raise self.error(
+                    where,
+                    f"key 'block_sha256' has {len(blocks)} entries, one per offset needs "
+                    f"{len(offsets or [])}",
+                )
+        return ShardInfo(name, n, size, sha, offsets, blocks)
+
+    def offsets(self, where: str, offsets: object, n: int, size: int, every: int | None) -> None:
+        """The index must be where a reader can seek: samples 0, every, ... of the shard, so
+        starting at 0, increasing, inside the file, one per `every` samples."""
+        if not isinstance(offsets, list) or not all(_is_int(o, 0) for o in offsets):
+            raise self.error(where, f"key 'offsets' is {_show(offsets)}, not a list of integers")
+        if every is None:
+            raise self.error(where, "has 'offsets' but the manifest has no 'index_every'")
+        need = -(-n // every)
+        if len(offsets) != need:
+            raise self.error(
+                where,
+                f"key 'offsets' has {len(offsets)} entries; {n} samples indexed every {every} "
+                f"need {need}",
+            )
+        if offsets and offsets[0] != 0:
+            raise self.error(where, f"key 'offsets' starts at {offsets[0]}, not 0")
+        for j in range(1, len(offsets)):
+            if offsets[j] <= offsets[j - 1]:
+                raise self.error(
+                    where,
+                    f"key 'offsets' does not increase at entry {j} "
+                    f"({offsets[j - 1]} then {offsets[j]})",
+                )
+        if offsets and offsets[-1] >= size:
+            raise self.error(
+                where,
+                f"key 'offsets' entry {len(offsets) - 1} ({offsets[-1]}) is not inside the "
+                f"shard's {size} bytes",
+            )
+
+    def splits(self, raw: dict, every: int | None) -> dict[str, SplitInfo]:
+        splits: dict[str, SplitInfo] = {}
+        seen: dict[str, str] = {}  # shard name -> where it was first listed
+        listing = self.get(raw, "splits", "", lambda v: isinstance(v, dict), "an object")
+        for split, s in listing.items():
+            if SPLIT_NAME.fullmatch(split) is None:
+                raise self.error("", f"the split name {split!r} is not letters, digits and _ only")
+            where = f"split {split!r} "
+            s = self.entry(s, _SPLIT_KEYS, where)
+            listed = self.get(s, "shards", where, lambda v: isinstance(v, list), "a list")
+            shards = [self.shard(split, i, sh, every) for i, sh in enumerate(listed)]
+            for i, sh in enumerate(shards):
+                if sh.name in seen:
+                    raise self.error(
+                        f"split {split!r} shard {i} ",
+                        f"has the name {sh.name!r} of {seen[sh.name]} too",
+                    )
+                seen[sh.name] = f"split {split!r} shard {i}"
+            n = self.get(s, "num_samples", where, lambda v: _is_int(v, 0), "an integer >= 0")
+            held = sum(sh.num_samples for sh in shards)
+            if n != held:
+                raise self.error(where, f"has num_samples {n} but its shards hold {held}")
+            splits[split] = SplitInfo(num_samples=n, shards=shards)
+        return splits
 
 
 def load_manifest(root: str | os.PathLike) -> Manifest:
     """Read and validate `root/manifest.json`: root is a folder or URL (ssl_vit.data.urls), or
-    the manifest file itself."""
+    the manifest file itself. Every byte of it is untrusted: whatever it holds, this returns a
+    manifest whose values have the types and ranges the dataclasses above say, or raises a
+    one-line ManifestError."""
     root = os.fspath(root)
     if root.rstrip("/").endswith("/" + MANIFEST_NAME) or root == MANIFEST_NAME:
         root = root.rstrip("/")[: -len(MANIFEST_NAME)] or "."
@@ -168,41 +330,70 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
         ) from None
     try:
         raw = json.loads(data.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # also: not UTF-8, too deep, a 5000-digit number
         raise ManifestError(f"{path}: not valid JSON ({e}); re-create the shard set") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ManifestError(f"{path}: not an ssl-vit shard manifest (format != {FORMAT!r})")
-    if raw.get("format_version") != FORMAT_VERSION:
+    version = raw.get("format_version")
+    if not _is_int(version, 0) or version != FORMAT_VERSION:
         raise ManifestError(
-            f"{path}: format_version {raw.get('format_version')!r} is not supported "
+            f"{path}: format_version {version!r} is not supported "
             f"(this ssl-vit reads {FORMAT_VERSION}); re-create the shard set"
         )
-    splits: dict[str, SplitInfo] = {}
-    for name, s in _require(raw, "splits", dict, path).items():
-        shards = [ShardInfo(**sh) for sh in _require(s, "shards", list, path)]
-        n = _require(s, "num_samples", int, path)
-        if n != sum(sh.num_samples for sh in shards):
-            raise ManifestError(f"{path}: split {name!r} num_samples disagrees with its shards")
-        splits[name] = SplitInfo(num_samples=n, shards=shards)
-    channels = _require(raw, "channels", int, path)
-    mean = _require(raw, "mean", list, path)
-    std = _require(raw, "std", list, path)
-    if len(mean) != channels or len(std) != channels:
-        raise ManifestError(f"{path}: mean/std must have one entry per channel ({channels})")
+    check = _Checker(path)
+    every = raw.get("index_every")
+    if every is not None and not _is_int(every, 1):
+        raise check.error("", f"key 'index_every' is {_show(every)}, not an integer >= 1 or null")
+    splits = check.splits(raw, every)
+    channels = check.get(raw, "channels", "", lambda v: _is_int(v, 1) and v in (1, 3), "1 or 3")
+    numbers = f"a list of {channels} finite numbers (one per channel)"
+    mean = check.get(raw, "mean", "", lambda v: _numbers(v, channels), numbers)
+    std = check.get(raw, "std", "", lambda v: _numbers(v, channels), numbers)
+    class_names = raw.get("class_names")
+    if class_names is not None and not (
+        isinstance(class_names, list) and all(isinstance(c, str) for c in class_names)
+    ):
+        raise check.error(
+            "", f"key 'class_names' is {_show(class_names)}, not a list of strings or null"
+        )
+    image_size = raw.get("image_size")
+    if image_size is not None and not (
+        isinstance(image_size, list)
+        and len(image_size) == 2
+        and all(_is_int(v, 1) for v in image_size)
+    ):
+        raise check.error(
+            "",
+            f"key 'image_size' is {_show(image_size)}, not [height, width] in positive "
+            "integers or null",
+        )
+    stats_split = raw.get("stats_split")
+    if stats_split is not None and not isinstance(stats_split, str):
+        raise check.error("", f"key 'stats_split' is {_show(stats_split)}, not a string or null")
+    num_skipped = raw.get("num_skipped", 0)
+    if not _is_int(num_skipped, 0):
+        raise check.error("", f"key 'num_skipped' is {_show(num_skipped)}, not an integer >= 0")
+    created_by = raw.get("created_by", {})
+    if not isinstance(created_by, dict):
+        raise check.error("", f"key 'created_by' is {_show(created_by)}, not an object")
     return Manifest(
         splits=splits,
-        class_names=raw.get("class_names"),
+        class_names=class_names,
         channels=channels,
-        image_size=raw.get("image_size"),
+        image_size=image_size,
         mean=[float(m) for m in mean],
         std=[float(s) for s in std],
-        stats_split=raw.get("stats_split"),
-        num_skipped=int(raw.get("num_skipped", 0)),
-        index_every=raw.get("index_every"),
-        created_by=raw.get("created_by", {}),
+        stats_split=stats_split,
+        num_skipped=num_skipped,
+        index_every=every,
+        created_by=created_by,
         root=root,
         sha256=hashlib.sha256(data).hexdigest(),
     )
+
+
+def _numbers(value: object, n: int) -> bool:
+    return isinstance(value, list) and len(value) == n and all(_is_number(v) for v in value)
 
 
 def check_shards_exist(manifest: Manifest, split: str) -> list[Path]:

@@ -10,41 +10,83 @@ read too, other member types are skipped.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 BLOCK = 512
-_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # "dir/key.ext.more" -> ("dir/key", "ext.more")
+# Limits that a damaged or hostile tar meets before any read of that size. A member is one
+# image, label or metadata file of a sample: a 1e8-pixel image (make_shards' --max-pixels)
+# is far below 1 GiB even uncompressed.
+MAX_MEMBER = 1 << 30
+MAX_META = 1 << 20  # a GNU long name or a pax header: a few KiB in any real archive
+_CHUNK = 1 << 24  # larger members are read in pieces: a stream cut short allocates no more
+_UNKNOWN_END = 1 << 62  # the end of a stream that cannot seek: only MAX_MEMBER bounds a member
 
 
 class TarFormatError(ValueError):
     """The bytes are not a readable tar file (bad header, checksum, or cut short)."""
 
 
-def _number(field: bytes, what: str, path: str | Path) -> int:
-    if field[:1] and field[0] & 0x80:  # GNU base-256, for numbers octal cannot hold
-        return int.from_bytes(field[1:], "big")
-    text = field.split(b"\0", 1)[0].strip()
-    try:
-        return int(text or b"0", 8)
-    except ValueError:
-        raise TarFormatError(f"{path}: a tar header has a bad {what} field") from None
+def _number(field: bytes, what: str, path: str | Path, at: int) -> int:
+    """A header's octal number field, or GNU base-256 (a first byte of 0x80) for numbers octal
+    cannot hold. Never negative: base-256's negative form (0xff) and signs are refused."""
+    if field[:1] and field[0] & 0x80:
+        if field[0] == 0x80:
+            return int.from_bytes(field[1:], "big")
+    else:
+        text = field.split(b"\0", 1)[0].strip()
+        if not text:
+            return 0
+        if text.isdigit():  # int() alone would also take "-1", "+7" and "1_0"
+            try:
+                return int(text, 8)
+            except ValueError:  # an 8 or a 9
+                pass
+    raise TarFormatError(
+        f"{path}: the tar header at byte {at} has a bad {what} field ({field!r})"
+    ) from None
 
 
-def _pax_path(data: bytes) -> str | None:
-    """The `path` record of a pax extended header ("<len> path=<value>\\n" records)."""
+def _pax_path(data: bytes, path: str | Path, at: int) -> str | None:
+    """The `path` record of a pax extended header ("<len> <key>=<value>\\n" records, where
+    len counts the whole record): the last one, as tarfile reads it. Every record must parse,
+    so each one moves the position forward and the loop ends."""
+    found: bytes | None = None
     pos = 0
     while pos < len(data):
-        space = data.find(b" ", pos)
-        if space < 0:
-            break
-        length = int(data[pos:space])
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        space = data.find(b" ", pos, pos + 21)  # a length of at most 20 digits
+        digits = data[pos:space] if space > pos else b""
+        length = int(digits) if digits.isdigit() else 0
+        end = pos + length
+        key, eq, value = data[space + 1 : end - 1].partition(b"=")
+        if length < len(digits) + 4 or end > len(data) or data[end - 1] != 0x0A or not (key and eq):
+            raise TarFormatError(
+                f"{path}: the pax header at byte {at} has a malformed record at its byte {pos} "
+                f"({data[pos : pos + 40]!r})"
+            )
         if key == b"path":
-            return value.decode("utf-8")
-        pos += length
-    return None
+            found = value
+        pos = end
+    if found is None:
+        return None
+    try:
+        return found.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TarFormatError(
+            f"{path}: the pax header at byte {at} has a path that is not UTF-8 ({found[:60]!r})"
+        ) from None
+
+
+def _stream_end(f, pos: int) -> int:
+    """The archive offset of the end of `f` (at archive offset `pos`), from one seek to its end
+    and back; _UNKNOWN_END where that fails."""
+    try:
+        here = f.seek(0, 1)
+        end = f.seek(0, 2)
+        f.seek(here)
+    except (OSError, ValueError):
+        return _UNKNOWN_END
+    return end - here + pos
 
 
 def iter_members(
@@ -52,56 +94,111 @@ def iter_members(
 ) -> Iterator[tuple[str, bytes | None, int]]:
     """(name, contents, header offset) of each regular file in the tar stream `f`, which is at
     byte `pos` of the archive. A member whose name `wanted` refuses is passed over unread
-    (contents None): seeked past where `f` can seek, read and dropped where it cannot."""
+    (contents None): seeked past where `f` can seek, read and dropped where it cannot.
+
+    Whatever the bytes, it ends or raises TarFormatError: every header moves on by at least a
+    block, and a declared size beyond MAX_MEMBER (MAX_META for names) or beyond the end of a
+    seekable `f` is refused before anything of that size is read."""
     long_name: str | None = None
     seekable = f.seekable() if hasattr(f, "seekable") else False
+    end = _stream_end(f, pos) if seekable else _UNKNOWN_END
     chain: int | None = None  # header offset of a long-name record before the member
     while True:
         at = pos if chain is None else chain
         header = f.read(BLOCK)
         if not header or header.count(0) == BLOCK:  # end of archive (or of a cut-off file)
-            if seekable and not header and f.seek(0, 2) < pos:  # seeked past the end
+            if seekable and not header and end < pos:  # seeked past the end
                 raise TarFormatError(f"{path}: cut short inside a member")
             return
         if len(header) < BLOCK:
             raise TarFormatError(f"{path}: cut short inside a tar header")
+        here = pos
         pos += BLOCK
-        stored = _number(header[148:156], "checksum", path)
+        stored = _number(header[148:156], "checksum", path, here)
         if stored != sum(header) - sum(header[148:156]) + 8 * 32:  # the field counts as spaces
             raise TarFormatError(f"{path}: a tar header's checksum does not match (corrupt)")
-        size = _number(header[124:136], "size", path)
+        size = _number(header[124:136], "size", path, here)
+        if size > MAX_MEMBER:
+            raise TarFormatError(
+                f"{path}: the tar header at byte {here} declares {size} bytes, more than a "
+                f"shard member may hold ({MAX_MEMBER})"
+            )
+        if size > end - pos:
+            raise TarFormatError(
+                f"{path}: cut short inside a member (the header at byte {here} declares "
+                f"{size} bytes, {end - pos} are left)"
+            )
         kind = header[156:157]
-        name = long_name
-        if kind in (b"0", b"\0") and name is None:
-            name = header[:100].split(b"\0", 1)[0].decode("utf-8")
-            prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
-            if prefix:
-                name = prefix.decode("utf-8") + "/" + name
         padded = size + (-size % BLOCK)
-        if kind in (b"0", b"\0") and wanted is not None and not wanted(name):
-            if seekable:
-                f.seek(padded, 1)
-            else:
-                _drop(f, padded, path)
+        if kind == b"0" or kind == b"\0":
+            name = long_name
+            if name is None:
+                raw = header[:100].split(b"\0", 1)[0]
+                if header[257:262] == b"ustar" and header[345]:  # a ustar prefix (a folder)
+                    raw = header[345:500].split(b"\0", 1)[0] + b"/" + raw
+                try:
+                    name = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise TarFormatError(
+                        f"{path}: the tar header at byte {here} has a name that is not UTF-8 "
+                        f"({raw[:60]!r})"
+                    ) from None
+            if wanted is not None and not wanted(name):
+                _pass(f, padded, seekable, path)
+                pos += padded
+                long_name, chain = None, None
+                yield name, None, at
+                continue
+        elif kind != b"L" and kind != b"x":  # directories, links, global pax headers...
+            _pass(f, padded, seekable, path)
             pos += padded
             long_name, chain = None, None
-            yield name, None, at
             continue
-        data = f.read(size)
+        elif size > MAX_META:
+            raise TarFormatError(
+                f"{path}: the {'GNU long name' if kind == b'L' else 'pax header'} at byte {here} "
+                f"declares {size} bytes, more than one may hold ({MAX_META})"
+            )
+        data = f.read(size) if size <= _CHUNK else _read_big(f, size)
         if len(data) < size:
             raise TarFormatError(f"{path}: cut short inside a member ({len(data)} of {size} bytes)")
         f.read(padded - size)  # padding to the next block
         pos += padded
         if kind == b"L":  # GNU: the next member's long name
-            long_name, chain = data.split(b"\0", 1)[0].decode("utf-8"), at
+            try:
+                long_name = data.split(b"\0", 1)[0].decode("utf-8")
+            except UnicodeDecodeError:
+                raise TarFormatError(
+                    f"{path}: the GNU long name at byte {here} is not UTF-8 ({data[:60]!r})"
+                ) from None
+            chain = at
             continue
         if kind == b"x":  # pax: the next member's attributes
-            long_name, chain = _pax_path(data) or long_name, at
+            long_name, chain = _pax_path(data, path, here) or long_name, at
             continue
         long_name, chain = None, None
-        if kind not in (b"0", b"\0"):  # directories, links, global pax headers...
-            continue
-        yield name, data, at  # type: ignore[misc]
+        yield name, data, at
+
+
+def _pass(f, n: int, seekable: bool, path: str | Path) -> None:
+    """Move on n bytes without keeping them: a seek where `f` can, else read and dropped."""
+    if seekable:
+        f.seek(n, 1)
+    else:
+        _drop(f, n, path)
+
+
+def _read_big(f, size: int) -> bytes:
+    """`size` bytes of `f` (fewer where it ends first), read in _CHUNK pieces: a stream that
+    declares a large member but ends early never has the whole size allocated."""
+    parts = []
+    while size > 0:
+        part = f.read(min(size, _CHUNK))
+        if not part:
+            break
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
 
 
 def _drop(f, n: int, path: str | Path) -> None:
@@ -114,9 +211,24 @@ def _drop(f, n: int, path: str | Path) -> None:
 
 
 def sample_key(name: str) -> tuple[str, str] | None:
-    """("dir/key", "ext.more") of a member name, or None when it has no extension."""
-    match = _KEY.match(name)
-    return None if match is None else (match.group(1), match.group(2).lower())
+    """("dir/key", "ext.more") of a member name, or None when it has no extension: what
+    webdataset's pattern `^((?:.*/|)[^.]+)[.]([^/]*)$` gives, found in linear time (the pattern
+    backtracks quadratically on a long name of slashes with no dot after the last one).
+
+    The key ends at the first dot after the last slash. The pattern matches when the text
+    between that dot and some earlier slash (or the start) holds no dot and is not empty; the
+    slash must lie on the name's first line, as `.*` stops at a line end."""
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    if dot > slash + 1 and "\n" not in name:  # the usual name: "dir/key.ext"
+        return name[:dot], name[dot + 1 :].lower()
+    if dot <= 0:
+        return None
+    newline = name.find("\n")
+    start = name.rfind("/", 0, dot - 1 if newline < 0 else min(dot - 1, newline)) + 1
+    if "." in name[start:dot]:
+        return None
+    return name[:dot], name[dot + 1 :].lower()
 
 
 def read_samples(
