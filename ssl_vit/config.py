@@ -14,11 +14,19 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import yaml
 
-from ssl_vit.config_values import ConfigError, apply_mapping, parse_overrides, plain, yaml_problem
+from ssl_vit.config_values import (
+    ConfigError,
+    Range,
+    apply_mapping,
+    check_range,
+    parse_overrides,
+    plain,
+    yaml_problem,
+)
 from ssl_vit.io import atomic_write_text
 from ssl_vit.recipe import MPP, TARGETS
 
@@ -262,6 +270,69 @@ CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 
+# The values every numeric key may take (the other keys are names, checked by CHOICES, or
+# checked by their own code below). Written ">= a", "> a" or as an interval, "[0, 1)"; after a
+# ";", what the error adds. A tuple or list key's range holds for each element. NaN and the
+# infinities are refused everywhere. A numeric field added to the schema needs its row here
+# (tests/test_bad_inputs.py fails until it has one); cross-key checks are in `validate`.
+RANGES: dict[str, str] = {
+    # torch.manual_seed takes 64 bits, and the trainer seeds each step with seed * 1_000_003 + ..
+    "run.seed": "[0, 4294967295]",
+    "run.checkpoint_every": ">= 1",  # step % checkpoint_every: 0 would divide by zero
+    "run.keep_checkpoints": ">= 1",  # 0 would delete the checkpoint just written
+    "run.export_epochs": ">= 1",  # an export at the end of epoch E; there is no end of epoch 0
+    "run.log_every": ">= 1",  # step % log_every
+    "run.max_nonfinite_steps": ">= 1",  # 0 would stop at the first step, finite or not
+    "run.eval_every": ">= 0; 0 evaluates at each epoch's end",
+    "data.num_workers": ">= 0; 0 reads in the training process",
+    "data.crop_scale": "(0, 1]; shares of the image's area, e.g. [0.08, 1.0]",
+    "data.translate": ">= 0",  # pixels; below model.img_size, checked in `validate`
+    "data.read_retries": ">= 1",  # tries, the first included
+    "data.read_timeout": "> 0",  # seconds
+    "data.min_read_rate": "> 0",  # bytes/s
+    "data.stall_timeout": "> 0",  # seconds
+    "data.holdout_fraction": "[0, 0.5); e.g. 0.02",  # chosen on, never trained on
+    "data.train_fraction": "(0, 1]; e.g. 0.1",
+    "model.img_size": ">= 1",
+    "model.patch_size": ">= 1",
+    "model.in_chans": ">= 1",
+    "model.drop_path_rate": "[0, 1)",  # a block's drop probability: 1 would drop every block
+    "objective.corrupt_ratio": "(0, 1]",  # 0 would leave MPP nothing to predict
+    "objective.mask_prob": "[0, 1]",  # with random_prob: shares of the corrupted patches
+    "objective.random_prob": "[0, 1]",
+    "objective.bits": "[1, 8]",  # of an 8-bit channel: 2^bits levels (ssl_vit.objectives.mpp)
+    "objective.label_smoothing": "[0, 1)",  # 1 would spread every target evenly: no label left
+    "objective.mpp_weight": ">= 0",  # joint: both 0 is refused in `validate`
+    "objective.supervised_weight": ">= 0",
+    "optim.momentum": "[0, 1)",  # SGD's; 1 never forgets a gradient
+    "optim.layer_decay": "(0, 1]; e.g. 0.75",  # a block's lr is lr x layer_decay^depth-below
+    "optim.lr": "> 0; e.g. 2e-4",
+    "optim.betas": "[0, 1); e.g. [0.9, 0.999]",  # AdamW's moment decays
+    "optim.eps": "> 0; e.g. 1e-8",  # AdamW's denominator guard
+    "optim.weight_decay": ">= 0",
+    "optim.grad_clip": ">= 0; 0 does not clip",  # DeepSpeed's gradient_clipping: 0 is off
+    "optim.warmup_steps": ">= 0",
+    "optim.min_lr_ratio": "[0, 1]",  # the end of the decay as a share of optim.lr
+    "train.global_batch": ">= 1",
+    "train.micro_batch": ">= 1",  # null: the whole per-rank batch in one forward
+    "train.steps": ">= 1",
+    "train.epochs": "> 0",
+    "monitor.knn_every": ">= 0; 0 turns the monitor off",
+    "monitor.num_train": ">= 1",
+    "monitor.num_eval": ">= 1",
+    "monitor.k": ">= 1",  # at most monitor.num_train, checked in `validate`
+}
+
+
+def _hint(key: str) -> Any:
+    """The type hint of `section.name` (a KeyError for a key the schema lacks: a stale row)."""
+    section, name = key.split(".")
+    return get_type_hints(get_type_hints(Config)[section])[name]
+
+
+_RANGES = {key: (Range.parse(spec), _hint(key)) for key, spec in RANGES.items()}
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Checks that need no data; `engine.preflight.check_data` does the rest with the shards."""
     for key, choices in CHOICES.items():
@@ -271,19 +342,27 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if not any(value == c and type(value) is type(c) for c in choices):
             names = [str(c).lower() if isinstance(c, bool) else str(c) for c in choices]
             raise ConfigError(f"{key}={value!r}: choose {', '.join(names[:-1])} or {names[-1]}")
-    m, o, t = cfg.model, cfg.objective, cfg.train
+    for key, (allowed, hint) in _RANGES.items():
+        section, name = key.split(".")
+        check_range(key, getattr(getattr(cfg, section), name), hint, allowed)
+    m, o, t, d = cfg.model, cfg.objective, cfg.train, cfg.data
+    if d.crop_scale[0] > d.crop_scale[1]:
+        raise ConfigError(
+            f"data.crop_scale={list(d.crop_scale)}: give [smallest, largest] share of the area, "
+            "e.g. [0.08, 1.0]"
+        )
     if o.kind == "cascade":
         _check_cascade_sizes(o.cascade_sizes, m.img_size)
-    if cfg.data.read_retries < 1 or cfg.data.read_timeout <= 0:
-        raise ConfigError("data.read_retries must be >= 1 and data.read_timeout > 0")
-    if not cfg.data.min_read_rate > 0 or not cfg.data.stall_timeout > 0:
-        raise ConfigError("data.min_read_rate and data.stall_timeout must be > 0")
-    if not 0 < o.corrupt_ratio <= 1:
-        raise ConfigError(f"objective.corrupt_ratio={o.corrupt_ratio}: must be in (0, 1]")
-    if o.mask_prob < 0 or o.random_prob < 0 or o.mask_prob + o.random_prob > 1:
-        raise ConfigError("objective.mask_prob + objective.random_prob must be within [0, 1]")
-    if not 0 <= m.drop_path_rate < 1:
-        raise ConfigError(f"model.drop_path_rate={m.drop_path_rate}: must be in [0, 1)")
+    if o.mask_prob + o.random_prob > 1:
+        raise ConfigError(
+            f"objective.mask_prob={o.mask_prob} + objective.random_prob={o.random_prob} exceeds "
+            "1: they are shares of the corrupted patches (the rest are kept); lower one"
+        )
+    if o.kind == "joint" and o.mpp_weight == 0 and o.supervised_weight == 0:
+        raise ConfigError(
+            "objective.mpp_weight and objective.supervised_weight are both 0: the joint loss "
+            "would train nothing; give one a positive weight"
+        )
     if "drop_path_rate" in m.kwargs:
         raise ConfigError("model.kwargs.drop_path_rate: set model.drop_path_rate instead")
     if m.patch_size is not None and not m.init_from and m.img_size % m.patch_size:
@@ -292,28 +371,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     if (t.steps is None) == (t.epochs is None):
         raise ConfigError("give exactly one of train.steps and train.epochs")
-    if (t.steps is not None and t.steps <= 0) or (t.epochs is not None and t.epochs <= 0):
-        raise ConfigError("train.steps / train.epochs must be positive")
     if t.compile is True and t.zero_stage == 3:
         raise ConfigError(
             "train.compile=true does not run under ZeRO-3 here (its parameter hooks run inside "
             "each block); set train.compile=auto or false"
         )
-    if not 0 <= cfg.data.translate < cfg.model.img_size:
+    if d.translate >= m.img_size:
+        raise ConfigError(f"data.translate={d.translate}: a shift in pixels in [0, model.img_size)")
+    if cfg.monitor.k > cfg.monitor.num_train:
         raise ConfigError(
-            f"data.translate={cfg.data.translate}: a shift in pixels in [0, model.img_size)"
-        )
-    if t.global_batch <= 0:
-        raise ConfigError(f"train.global_batch={t.global_batch}: must be positive")
-    if t.micro_batch is not None and t.micro_batch <= 0:
-        raise ConfigError(f"train.micro_batch={t.micro_batch}: must be positive (or null)")
-    if not 0 <= cfg.holdout_share < 0.5:
-        raise ConfigError(
-            f"data.holdout_fraction={cfg.data.holdout_fraction}: must be in [0, 0.5) (e.g. 0.02)"
-        )
-    if not 0 < cfg.data.train_fraction <= 1:
-        raise ConfigError(
-            f"data.train_fraction={cfg.data.train_fraction}: must be in (0, 1] (e.g. 0.1)"
+            f"monitor.k={cfg.monitor.k} exceeds monitor.num_train={cfg.monitor.num_train}, the "
+            "gallery it searches; lower monitor.k or raise monitor.num_train"
         )
     if cfg.run.eval_split is not None and cfg.run.eval_split in ("test", cfg.run.report_split):
         raise ConfigError(

@@ -5,6 +5,9 @@ The schema itself is ssl_vit.config."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+from dataclasses import dataclass
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -61,6 +64,81 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin is list:
         return list(value)
     return value
+
+
+def numeric_type(hint: Any) -> tuple[type, bool] | None:
+    """(int or float, whether the value is a tuple or list of them) for a numeric field's type
+    hint: `int | None`, `tuple[float, float]`, `list[int]`; None for any other (bool, str,
+    dict, Any)."""
+    if get_origin(hint) in (Union, UnionType):
+        hint = next((a for a in get_args(hint) if a is not type(None)), None)
+    many = get_origin(hint) in (tuple, list)
+    if many:
+        hint = get_args(hint)[0]
+    return (hint, many) if hint in (int, float) else None
+
+
+_BOUND = re.compile(r"^(>=|>) *(\S+)$")
+_INTERVAL = re.compile(r"^([\[(]) *([^,]+), *([^\])]+)([\])])$")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take, written as in maths: a bound, ">= 1" or "> 0", or an
+    interval, "[0, 1)" or "(0, 1]"; `hint`, if any, says more in the error. NaN and the
+    infinities are in no range: every bound here is finite, and a value past it is a typo."""
+
+    text: str
+    lo: float
+    hi: float
+    lo_closed: bool
+    hi_closed: bool
+    hint: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> Range:
+        """`spec` is "RANGE" or "RANGE; HINT", e.g. "(0, 1]; e.g. 0.1"."""
+        text, _, hint = (part.strip() for part in spec.partition(";"))
+        if m := _BOUND.match(text):
+            return cls(f"{m[1]} {m[2]}", float(m[2]), math.inf, m[1] == ">=", False, hint)
+        if m := _INTERVAL.match(text):
+            lo, hi = float(m[2]), float(m[3])
+            return cls(f"in {text}", lo, hi, m[1] == "[", m[4] == "]", hint)
+        raise ValueError(f"range {spec!r}: write '>= a', '> a', '[a, b]', '(a, b)' or a mix")
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):  # (an int is finite; a huge
+            return False  # one would overflow math.isfinite)
+        above = value >= self.lo if self.lo_closed else value > self.lo
+        below = value <= self.hi if self.hi_closed else value < self.hi
+        return above and below
+
+
+def check_range(key: str, value: Any, hint: Any, allowed: Range) -> None:
+    """Raise a one-line ConfigError unless `value`, of a field whose type hint is `hint`, is a
+    number of that type within `allowed` (each element of a tuple or list); None passes where
+    the hint allows it (the key's "not set")."""
+    numeric = numeric_type(hint)
+    if numeric is None:
+        raise TypeError(f"{key}: a range is declared for a field that holds no numbers")
+    kind, many = numeric
+    if value is None and type(None) in get_args(hint):
+        return
+
+    def ok(v: Any) -> bool:
+        # bool is an int to Python, and True would pass as 1: a typo, not a count
+        is_kind = isinstance(v, int if kind is int else (int, float)) and not isinstance(v, bool)
+        return is_kind and v in allowed
+
+    if many and isinstance(value, (tuple, list)) and all(ok(v) for v in value):
+        return
+    if not many and ok(value):
+        return
+    what = "an integer" if kind is int else "a number"
+    hint_text = f" ({allowed.hint})" if allowed.hint else ""
+    each = "each must be" if many else "must be"
+    shown = list(value) if isinstance(value, tuple) else value  # as YAML writes it: [a, b]
+    raise ConfigError(f"{key}={shown!r}: {each} {what} {allowed.text}{hint_text}")
 
 
 def apply_mapping(section: Any, values: dict[str, Any], prefix: str = "") -> None:

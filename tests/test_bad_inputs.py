@@ -13,12 +13,18 @@ in OUT) live in test_data_prep_jobs.py.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, get_type_hints
 
 import pytest
 from conftest import run_cli
+
+from ssl_vit.config import CHOICES, RANGES, Config, ConfigError, load_config, validate
+from ssl_vit.config_values import Range
 
 MAKE = "data_prep/make_shards.py"
 VERIFY = "data_prep/verify_shards.py"
@@ -93,9 +99,23 @@ ROWS = [
     ("config-not-a-mapping", [MPP, "--config", "{B}/list.yaml", *PRE], 2,
      "list.yaml: expected a mapping of sections at the top level"),
     ("negative-steps", [MPP, *PRE, "train.steps=-5"], 2,
-     "train.steps / train.epochs must be positive"),
+     "train.steps=-5: must be an integer >= 1"),
     ("corrupt-ratio-above-one", [MPP, *PRE, "objective.corrupt_ratio=1.5"], 2,
-     "objective.corrupt_ratio=1.5: must be in (0, 1]"),
+     "objective.corrupt_ratio=1.5: must be a number in (0, 1]"),
+    # every numeric key has a range (config.RANGES); these once passed --check and then failed
+    # in training with a ZeroDivisionError or a traceback from the loader or the optimizer
+    ("checkpoint-every-zero", [MPP, *PRE, "run.checkpoint_every=0"], 2,
+     "run.checkpoint_every=0: must be an integer >= 1"),
+    ("num-workers-negative", [MPP, *PRE, "data.num_workers=-1"], 2,
+     "data.num_workers=-1: must be an integer >= 0 (0 reads in the training process)"),
+    ("lr-negative", [MPP, *PRE, "optim.lr=-1"], 2,
+     "optim.lr=-1.0: must be a number > 0 (e.g. 2e-4)"),
+    ("lr-nan", [MPP, *PRE, "optim.lr=.nan"], 2,
+     "optim.lr=nan: must be a number > 0 (e.g. 2e-4)"),
+    ("betas-at-one", [MPP, *PRE, "optim.betas=[0.9,1]"], 2,
+     "optim.betas=[0.9, 1.0]: each must be a number in [0, 1) (e.g. [0.9, 0.999])"),
+    ("crop-scale-reversed", [MPP, *PRE, "data.crop_scale=[1.0,0.5]"], 2,
+     "data.crop_scale=[1.0, 0.5]: give [smallest, largest] share of the area"),
     ("translate-beyond-the-image", [MPP, *PRE, "data.translate=40"], 2,
      "data.translate=40: a shift in pixels in [0, model.img_size)"),
     ("img-size-not-divisible", [MPP, *PRE, "model.img_size=18"], 2,
@@ -103,7 +123,7 @@ ROWS = [
     ("batch-larger-than-data", [MPP, *PRE, "train.global_batch=4096"], 2,
      "train.global_batch=4096 exceeds the 512 training samples of split 'train'"),
     ("train-fraction-zero", [SUP, *PRE, "data.train_fraction=0"], 2,
-     "data.train_fraction=0.0: must be in (0, 1] (e.g. 0.1)"),
+     "data.train_fraction=0.0: must be a number in (0, 1] (e.g. 0.1)"),
     ("train-fraction-below-a-batch", [SUP, *PRE, "data.train_fraction=0.02"], 2,
      "training samples of split 'train'; lower the batch or raise data.train_fraction=0.02"),
     ("data-without-manifest", [MPP, *PRE, "data.root={B}/empty"], 2,
@@ -286,3 +306,90 @@ def test_broken_latest_pointer_is_one_line_error(tiny_shards, tmp_path):
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert "latest: names 'step00000007', which is not a complete checkpoint" in last, last
+
+
+def _schema() -> dict[str, Any]:
+    """Every `section.name` of the config schema and its type hint."""
+    return {f"{section}.{name}": hint
+            for section, cls in get_type_hints(Config).items()
+            for name, hint in get_type_hints(cls).items()}  # fmt: skip
+
+
+def test_every_numeric_key_has_a_range():
+    """A numeric field added to the schema without a row in config.RANGES (or CHOICES) fails
+    here, before a bad value of it can reach training; and no row names a key that is gone."""
+    numeric = {k for k, hint in _schema().items() if re.search(r"\b(int|float)\b", str(hint))}
+    assert {"run.checkpoint_every", "optim.betas", "run.export_epochs"} <= numeric  # the probe
+    assert numeric - set(RANGES) - set(CHOICES) == set()
+    assert set(RANGES) <= numeric
+
+
+def _outside(allowed: Range) -> list[float]:
+    """Values just outside the range, on each side that has a bound."""
+    out = [allowed.lo - 1 if allowed.lo_closed else allowed.lo]
+    if math.isfinite(allowed.hi):
+        out.append(allowed.hi + 1 if allowed.hi_closed else allowed.hi)
+    return out
+
+
+def _refused(key: str, override: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.steps=10", override])
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{key}="), message
+    return message
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_a_value_outside_the_range_is_refused_naming_the_key(key):
+    allowed, hint = Range.parse(RANGES[key]), _schema()[key]
+    section, name = key.split(".")
+    default = getattr(getattr(Config(), section), name)
+    is_int = re.search(r"\bint\b", str(hint)) is not None
+    bad = [int(v) for v in _outside(allowed)] if is_int else [*_outside(allowed), ".nan", ".inf"]
+    for value in bad:
+        many = isinstance(default, (list, tuple))
+        text = f"[{', '.join([str(value)] * max(1, len(default)))}]" if many else str(value)
+        message = _refused(key, f"{key}={text}")
+        assert allowed.text in message, message
+    # bool is an int to Python; set past the YAML reader (which refuses it already)
+    cfg = load_config(None, ["train.steps=10"])
+    setattr(getattr(cfg, section), name, [True] * max(1, len(default)) if many else True)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=.*True"):
+        validate(cfg)
+
+
+def test_ranges_read_as_written():
+    half = Range.parse("[0, 0.5); e.g. 0.02")
+    assert (0 in half, 0.49 in half, 0.5 in half, -1e-9 in half) == (True, True, False, False)
+    assert half.text == "in [0, 0.5)" and half.hint == "e.g. 0.02"
+    positive = Range.parse("> 0")
+    assert (1e-30 in positive, 0 in positive, math.inf in positive) == (True, False, False)
+    assert math.nan not in Range.parse(">= 0") and 10**400 in Range.parse(">= 1")
+    with pytest.raises(ValueError, match="write '>= a'"):
+        Range.parse("0..1")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["objective.kind=joint", "objective.mpp_weight=0", "objective.supervised_weight=0"],
+         "objective.mpp_weight and objective.supervised_weight are both 0"),
+        (["objective.mask_prob=0.8", "objective.random_prob=0.3"],
+         "objective.mask_prob=0.8 + objective.random_prob=0.3 exceeds 1"),
+        (["monitor.num_train=10", "monitor.k=20"],
+         "monitor.k=20 exceeds monitor.num_train=10"),
+        (["data.crop_scale=[0.9,0.5]"], "data.crop_scale=[0.9, 0.5]: give [smallest, largest]"),
+    ],
+)  # fmt: skip
+def test_keys_in_range_but_inconsistent_together_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["train.steps=10", *overrides])
+
+
+def test_values_at_the_edges_of_their_ranges_pass():
+    load_config(None, ["train.steps=1", "run.checkpoint_every=1", "data.num_workers=0",
+                       "data.crop_scale=[1,1]", "optim.grad_clip=0", "optim.min_lr_ratio=1",
+                       "optim.layer_decay=1", "objective.bits=8", "run.seed=4294967295",
+                       "objective.kind=joint", "objective.mpp_weight=0", "monitor.k=5000",
+                       "optim.warmup_steps=0", "run.eval_every=0"])  # fmt: skip

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import MlflowServer, wait_until
@@ -211,3 +213,126 @@ def test_a_runs_metrics_file_and_its_other_points_both_replay(
     (run,) = store.search_runs([store.get_experiment_by_name("down").experiment_id])
     assert _steps(store, run.info.run_id, "train/loss") == [10, 20]
     assert _steps(store, run.info.run_id, "eval/holdout_top1") == [20]
+
+
+# One run directory, one MLflow run, whatever was down when. Each launch is driven as the
+# trainer drives it: `open_run_tracker` (which reads RUN/mlflow_run_id and RUN/mlflow_run_key),
+# a metrics.jsonl row and its point per logged step, an evaluation point that no metrics file
+# holds, a tag, and the end. "Up" is a real SQLite store; "down" a port nothing listens on.
+
+
+def _launch(run_dir: Path, uri: str, steps: list[int], launch: int, status: str = "FINISHED"):
+    from ssl_vit.config import load_config, save_config
+    from ssl_vit.engine.run_tracker import open_run_tracker
+
+    cfg = load_config(None, ["train.steps=12", f"run.dir={run_dir}", f"tracking.uri={uri}",
+                             "tracking.experiment=one-run"])  # fmt: skip
+    run_dir.mkdir(exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    (run_dir / "ds_config.json").write_text("{}\n")
+    tracker = open_run_tracker(
+        cfg, run_dir, rank=0, fresh=launch == 1, derived={"launch": launch}, source_run_id=None
+    )
+    for step in steps:
+        row = {"train/loss": 1.0 / step}
+        tracker.log_metrics(row, step=step, in_file=True)
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **row}) + "\n")
+    tracker.log_metrics({"eval/top1": launch / 10}, step=steps[-1])
+    tracker.set_tags({"launch": launch})
+    tracker.close(status, timeout=5)
+    return tracker.run_id
+
+
+def _records(run_dir: Path) -> list[Path]:
+    return [p for p in (run_dir / "mlflow_spool").glob("*.jsonl") if p.name != "rejected.jsonl"]
+
+
+def _the_one_run(uri: str, run_dir: Path) -> Any:
+    """The experiment's only run, which RUN/mlflow_run_id names and which holds every launch's
+    params, points at their steps, and artifacts; no record is left to send."""
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("one-run").experiment_id])
+    rid = run.info.run_id
+    assert (run_dir / "mlflow_run_id").read_text().strip() == rid
+    loss = {m.step: m.value for m in client.get_metric_history(rid, "train/loss")}
+    assert loss == {s: 1.0 / s for s in (2, 4, 6, 8, 10, 12)}
+    top1 = {m.step: m.value for m in client.get_metric_history(rid, "eval/top1")}
+    assert top1 == {4: 0.1, 8: 0.2, 12: 0.3}
+    assert run.data.params["train.steps"] == "12" and run.data.params["derived.launch"] == "1"
+    assert "config.yaml" in [a.path for a in client.list_artifacts(rid)]
+    assert run.data.tags["ssl_vit.run_key"] == (run_dir / "mlflow_run_key").read_text().strip()
+    assert not _records(run_dir)
+    return run
+
+
+def test_launches_without_mlflow_join_the_run_of_the_next_launch(
+    tmp_path: Path, mlflow_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Down, down, up: the third launch creates the run once and takes in both records."""
+    monkeypatch.chdir(tmp_path)  # the store's artifacts
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    down, up, run_dir = MlflowServer(tmp_path).uri, f"sqlite:///{mlflow_db}", tmp_path / "run"
+    assert _launch(run_dir, down, [2, 4], 1) is None
+    assert _launch(run_dir, down, [6, 8], 2) is None
+    assert not (run_dir / "mlflow_run_id").exists() and len(_records(run_dir)) == 2
+    rid = _launch(run_dir, up, [10, 12], 3)
+    run = _the_one_run(up, run_dir)
+    assert run.info.run_id == rid
+    assert run.data.tags["launch"] == "3" and run.info.status == "FINISHED"
+
+
+def test_a_launch_that_knew_the_run_but_not_the_store_syncs_into_it(
+    tmp_path: Path, mlflow_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up, down, up: the second launch read RUN/mlflow_run_id; its record joins that run."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    down, up, run_dir = MlflowServer(tmp_path).uri, f"sqlite:///{mlflow_db}", tmp_path / "run"
+    first = _launch(run_dir, up, [2, 4], 1)
+    assert first is not None and (run_dir / "mlflow_run_id").read_text().strip() == first
+    assert _launch(run_dir, down, [6, 8], 2) == first and len(_records(run_dir)) == 1
+    assert _launch(run_dir, up, [10, 12], 3) == first
+    run = _the_one_run(up, run_dir)
+    assert run.data.tags["launch"] == "3" and run.info.status == "FINISHED"
+
+
+def test_replayed_launches_make_one_run_in_order_that_the_next_launch_continues(
+    tmp_path: Path, mlflow_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Down (failed), down, then `replay`: the two records become one run, replayed in the order
+    the launches ran (the second's tag and status last), and the run's id reaches the run
+    directory; the next launch, up, continues that run."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    down, up, run_dir = MlflowServer(tmp_path).uri, f"sqlite:///{mlflow_db}", tmp_path / "run"
+    _launch(run_dir, down, [2, 4], 1, status="FAILED")
+    (first,) = _records(run_dir)
+    _launch(run_dir, down, [6, 8], 2)
+    (second,) = set(_records(run_dir)) - {first}
+    # Record names are random: make theirs sort against the order the launches ran in.
+    first.rename(first.with_name("f" * 12 + ".jsonl"))
+    second.rename(second.with_name("0" * 12 + ".jsonl"))
+    assert main(["replay", str(run_dir / "mlflow_spool"), "--tracking-uri", up]) == 0
+    client = MlflowClient(up)
+    (run,) = client.search_runs([client.get_experiment_by_name("one-run").experiment_id])
+    assert run.data.tags["launch"] == "2" and run.info.status == "FINISHED"
+    assert (run_dir / "mlflow_run_id").read_text().strip() == run.info.run_id
+    assert _steps(client, run.info.run_id, "train/loss") == [2, 4, 6, 8]
+    assert _launch(run_dir, up, [10, 12], 3) == run.info.run_id
+    _the_one_run(up, run_dir)
+
+
+def test_a_lost_run_id_is_found_again_by_the_run_key(
+    tmp_path: Path, mlflow_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RUN/mlflow_run_id gone (deleted, or never written: a replay elsewhere): the next launch
+    finds the run by the key it was tagged with rather than starting a second one."""
+    monkeypatch.chdir(tmp_path)
+    up, run_dir = f"sqlite:///{mlflow_db}", tmp_path / "run"
+    first = _launch(run_dir, up, [2, 4, 6, 8], 1)
+    (run_dir / "mlflow_run_id").unlink()
+    assert _launch(run_dir, up, [10, 12], 2) == first
+    assert (run_dir / "mlflow_run_id").read_text().strip() == first
+    client = MlflowClient(up)
+    assert len(client.search_runs([client.get_experiment_by_name("one-run").experiment_id])) == 1

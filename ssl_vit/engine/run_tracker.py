@@ -1,12 +1,18 @@
 """The MLflow side of a training run (rank 0 logs; other ranks hold a disabled Tracker): the
 run opened or continued from RUN/mlflow_run_id, its parameters and lineage logged once, and the
-export registered as a model version when the config asks."""
+export registered as a model version when the config asks.
+
+A run directory is one MLflow run, whatever was down when: RUN/mlflow_run_key, written by its
+first launch, names the run before MLflow gives it an id. Every launch's record carries it, so a
+launch (or a replay) that reaches the store finds the run tagged with it, or creates it once, and
+takes in the records of the launches that could not reach it (ssl_vit.tracking.tracker)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,14 @@ def save_run_id(tracker: Tracker, path: Path) -> None:
         atomic_write_text(path, tracker.run_id + "\n")
 
 
+def run_key(run_dir: Path) -> str:
+    """The run directory's key for its MLflow run: made by its first launch, kept for good."""
+    path = run_dir / "mlflow_run_key"
+    if not path.is_file():
+        atomic_write_text(path, uuid.uuid4().hex + "\n")
+    return path.read_text().strip()
+
+
 def register_run(tracker: Tracker, name: str, run_dir: Path) -> None:
     """`tracking.register_as`: the logged export becomes a version of `name` (rank 0)."""
     if not tracker.flushed:  # the export is not in the store yet: registering would dangle
@@ -70,6 +84,8 @@ def open_run_tracker(
         experiment=cfg.tracking.experiment,
         run_name=cfg.tracking.run_name or run_dir.name,
         run_id=run_id_file.read_text().strip() if run_id_file.is_file() else None,
+        run_key=run_key(run_dir) if rank == 0 else None,
+        run_id_file=run_id_file,  # written by the tracker as soon as the store gives the id
         tracking_uri=cfg.tracking.uri,
         spool_dir=run_dir / "mlflow_spool",
         metrics_file=run_dir / "metrics.jsonl",  # the run's metric record: replayed from here

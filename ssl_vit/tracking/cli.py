@@ -1,6 +1,7 @@
 """`python -m ssl_vit.tracking replay DIR` pushes the records a Tracker left in DIR (its
-spool_dir) to their store; `register RUN_ID NAME` makes a run's export a registered model
-version. Exit status 0 when all went through, 1 when something failed, 2 on a usage error."""
+spool_dir) to their store, oldest first, each into its run (found by id, else by run key, else
+created); `register RUN_ID NAME` makes a run's export a registered model version. Exit status 0
+when all went through, 1 when something failed, 2 on a usage error."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ssl_vit.tracking.store import Store, read_record, resolve_uri
+from ssl_vit.tracking.store import Store, read_record, records, resolve_uri
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.dir}: no such folder (give the Tracker's spool_dir)", file=sys.stderr)
         return 2
     failed = 0
-    for path in sorted(p for p in args.dir.glob("*.jsonl") if p.name != "rejected.jsonl"):
+    for path in records(args.dir):
         try:
             run_id = Store(args.tracking_uri or read_record(path)[0]["tracking_uri"]).sync(path)
             path.unlink()

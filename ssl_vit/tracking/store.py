@@ -1,10 +1,16 @@
 """The MLflow side of tracking: a client per store, and `Store.sync`, which logs into a run what a
 Tracker's local record holds and the run lacks.
 
-A record is a JSONL file: first the run (store, experiment, name, id, tags, and the metrics file,
-e.g. RUN/metrics.jsonl with a `{"step": S, "key": value, ...}` line per logged step, that holds
-its training metrics), then `params`, `tags`, `artifact`, `end`, `run_id` and `metrics` events
-(the points no metrics file holds: evaluations, or all of a Tracker without one), one a line.
+A record is a JSONL file: first the run (store, experiment, name, id, key, tags, when the record
+began, the file to write the run's id to, and the metrics file, e.g. RUN/metrics.jsonl with a
+`{"step": S, "key": value, ...}` line per logged step, that holds its training metrics), then
+`params`, `tags`, `artifact`, `end`, `run_id` and `metrics` events (the points no metrics file
+holds: evaluations, or all of a Tracker without one), one a line.
+
+A run key names a run before MLflow has given it an id (a run directory's launches all carry
+its key): the run is created tagged with it, and a record that knows the key but not the id
+finds its run by that tag, so launches and replays that never reached the store together still
+make one run, never two.
 """
 
 from __future__ import annotations
@@ -16,14 +22,21 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ssl_vit.io import atomic_write_text
+
 log = logging.getLogger("ssl_vit.tracking")
 DEFAULT_URI = "sqlite:///mlflow.db"
 PARENT_TAG = "mlflow.parentRunId"
+KEY_TAG = "ssl_vit.run_key"  # the run key (module docstring) of a run made for a record
+# A key is put into an MLflow search filter as it is: letters, digits, - and _ only.
+KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+REJECTED = "rejected.jsonl"  # batches the store refused, beside the records (not one)
 # Error codes of a request the store refuses (a changed param value): retrying cannot help.
 REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE", "BAD_REQUEST"}
 
@@ -66,6 +79,35 @@ def read_record(path: Path, size: int | None = None) -> tuple[dict, list[dict]]:
     return lines[0], lines[1:]
 
 
+def records(folder: Path) -> list[Path]:
+    """The records in `folder`, oldest first: in the order their Trackers began, i.e. the order
+    of a run's launches, so that a replay leaves the run the last launch's tags and status."""
+
+    def begun(path: Path) -> float:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return float(json.loads(f.readline()).get("begun") or path.stat().st_mtime * 1000)
+        except (OSError, ValueError, AttributeError):  # a record cut short: sync reports it
+            return 0.0
+
+    paths = [p for p in folder.glob("*.jsonl") if p.name != REJECTED]
+    return sorted(paths, key=lambda p: (begun(p), p.name))
+
+
+def remember_run(head: dict, run_id: str) -> None:
+    """Write `run_id` to the record's `run_id_file` (e.g. RUN/mlflow_run_id), where the next
+    launch of the run looks for it, unless the file holds it already; a folder that is not
+    there (a replay on another machine) is left alone."""
+    path = Path(head["run_id_file"]) if head.get("run_id_file") else None
+    try:
+        if path is None or not path.parent.is_dir():
+            return
+        if not path.is_file() or path.read_text(encoding="utf-8").strip() != run_id:
+            atomic_write_text(path, run_id + "\n")
+    except OSError as e:
+        log.warning("could not write MLflow run id %s to %s: %s", run_id, path, e)
+
+
 def batch(ev: dict) -> dict[str, list]:
     """log_batch's arguments for a params, tags or metrics event."""
     from mlflow.entities import Metric, Param, RunTag
@@ -93,16 +135,19 @@ class Store:
             return False
 
     def run(self, head: dict) -> Any:
-        """The record's run, set RUNNING; created when the record has none, in its parent's
-        experiment (where the MLflow UI shows it nested) when it has a parent."""
+        """The record's run, set RUNNING: the run of its id; else the run tagged with its key
+        (made by an earlier launch or a replay of the same run, its id never learned here);
+        else a new run, tagged with the key, in its parent's experiment (where the MLflow UI
+        shows it nested) when it has a parent."""
         from mlflow.exceptions import MlflowException
 
+        key = head.get("run_key")
         if head.get("run_id"):
             try:
                 run = self.client.get_run(head["run_id"])
-                if run.info.status != "RUNNING":
-                    self.client.update_run(run.info.run_id, "RUNNING")
-                return run
+                if key and KEY_TAG not in run.data.tags:  # a run older than run keys
+                    self.client.set_tag(run.info.run_id, KEY_TAG, key)
+                return self._running(run)
             except MlflowException as e:
                 if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
@@ -115,7 +160,24 @@ class Store:
         if not exp:
             exp = self.client.get_experiment_by_name(head["experiment"])
             exp = exp.experiment_id if exp else self.client.create_experiment(head["experiment"])
+        if key:
+            if not KEY_PATTERN.fullmatch(key):
+                raise ValueError(f"run key {key!r}: use letters, digits, - and _ only")
+            found = self.client.search_runs(
+                [exp],
+                f"tags.`{KEY_TAG}` = '{key}'",
+                max_results=1,
+                order_by=["attributes.start_time ASC"],  # were there two, the first
+            )
+            if found:
+                return self._running(found[0])
+            tags[KEY_TAG] = key
         return self.client.create_run(exp, run_name=head.get("run_name"), tags=tags)
+
+    def _running(self, run: Any) -> Any:
+        if run.info.status != "RUNNING":
+            self.client.update_run(run.info.run_id, "RUNNING")
+        return run
 
     def send(self, folder: Path, run_id: str, **batch: list) -> None:
         """log_batch; a batch the store refuses goes to folder/rejected.jsonl, not raised."""
@@ -128,7 +190,7 @@ class Store:
                 raise
             log.warning("MLflow refused %s (%s); kept in %s", list(batch), str(e)[:300], folder)
             folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / "rejected.jsonl", "a", encoding="utf-8") as f:
+            with open(folder / REJECTED, "a", encoding="utf-8") as f:
                 sent = {k: [str(x) for x in v] for k, v in batch.items()}
                 f.write(json.dumps({**sent, "error": str(e)[:500]}) + "\n")
 
@@ -146,9 +208,11 @@ class Store:
         key does not have; `final`: the artifacts and the end status; `size`: the record's
         first bytes only (the part written before the Tracker went online again)."""
         head, events = read_record(path, size)
-        if run_id is None and (run_id := self.run(head).info.run_id) != head["run_id"]:
-            with open(path, "a", encoding="utf-8") as f:  # a second replay finds this run
-                f.write(json.dumps({"run_id": run_id}) + "\n")
+        if run_id is None:
+            if (run_id := self.run(head).info.run_id) != head["run_id"]:
+                with open(path, "a", encoding="utf-8") as f:  # a second replay finds this run
+                    f.write(json.dumps({"run_id": run_id}) + "\n")
+            remember_run(head, run_id)
         now, rows = int(time.time() * 1000), []
         for row in _lines(Path(head["metrics_file"])) if data and head["metrics_file"] else []:
             rows += [[k, v, now, row["step"]] for k, v in row.items() if type(v) in (int, float)]

@@ -2,6 +2,7 @@
 by an unreachable store.
 
     tracker = Tracker(enabled=rank == 0, experiment="mpp", run_id=saved_id_or_None,
+                      run_key=the_run_dirs_key, run_id_file=run_dir / "mlflow_run_id",
                       spool_dir=run_dir / "mlflow_spool", metrics_file=run_dir / "metrics.jsonl")
     tracker.log_params({"optim": {"lr": 2e-4}})    # flattened to "optim.lr"
     tracker.log_metrics({"loss": 1.2}, step=100)  # a step at or below the run's last: dropped
@@ -15,6 +16,12 @@ sent when the store is reachable. When it is not, or a send fails, a thread retr
 creating it). The record is deleted at close once the run has everything; one left behind is
 sent by `python -m ssl_vit.tracking replay SPOOL_DIR`, or by the next Tracker of the same run (a
 resumed job) when it connects.
+
+One run whatever was down when: a Tracker given a `run_key` (a run directory's, the same at
+every launch) finds the run tagged with it when it has no `run_id` (a launch before it created
+the run, or a replay did, but the id never reached the run directory), creates the run with that
+tag only when there is none, and syncs into it, oldest first, every record in `spool_dir` of the
+same key or id; `run_id_file` is where it writes the run's id once it is known.
 """
 
 from __future__ import annotations
@@ -30,7 +37,15 @@ from pathlib import Path
 from threading import Event, RLock, Thread
 from typing import Any
 
-from ssl_vit.tracking.store import Store, batch, read_record, resolve_uri
+from ssl_vit.tracking.store import (
+    KEY_PATTERN,
+    Store,
+    batch,
+    read_record,
+    records,
+    remember_run,
+    resolve_uri,
+)
 
 log = logging.getLogger("ssl_vit.tracking")
 MAX_PARAM_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
@@ -57,6 +72,8 @@ class Tracker:
         experiment: str,
         run_name: str | None = None,
         run_id: str | None = None,
+        run_key: str | None = None,
+        run_id_file: str | Path | None = None,
         tracking_uri: str | None = None,
         tags: Mapping[str, Any] | None = None,
         spool_dir: str | Path | None = None,
@@ -69,6 +86,8 @@ class Tracker:
         self.enabled, self._run_id, self.flushed = enabled, run_id, False
         if not enabled:
             return
+        if run_key is not None and not KEY_PATTERN.fullmatch(run_key):
+            raise ValueError(f"run_key {run_key!r}: use 1 to 64 letters, digits, - and _")
         self.tracking_uri = uri = resolve_uri(tracking_uri)
         if uri.startswith(("http://", "https://")):  # fail fast: the thread below retries
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout)))
@@ -80,8 +99,11 @@ class Tracker:
         head = dict(tracking_uri=uri, experiment=experiment, run_name=run_name, run_id=run_id)
         self.head = {
             **head,
+            "run_key": run_key,
             "tags": tags,
             "metrics_file": self._metrics_file,
+            "run_id_file": run_id_file and str(Path(run_id_file).resolve()),
+            "begun": int(time.time() * 1000),  # records replay in the order they began
         }  # the record's line 1
         self.dir = Path(spool_dir or "mlflow-spool").resolve()
         self.path = self.dir / f"{uuid.uuid4().hex[:12]}.jsonl"
@@ -206,23 +228,22 @@ class Tracker:
         return not pending
 
     def _connect(self) -> bool:
-        """Reach the store; sync the records earlier processes left of this run; get the run
-        (created if new, else set RUNNING); then send what this record holds and it lacks."""
+        """Reach the store; get the run (by id, else by key, else created) and set it RUNNING;
+        sync into it the records earlier processes left of it; then send what this record holds
+        and the run lacks."""
         try:
             if not self._store.reachable():
                 return False
             self._settle(None)  # what failed in flight is synced below, once
-            rid = self.head["run_id"]
-            for other in sorted(self.dir.glob("*.jsonl")) if rid else []:
-                if other.name != "rejected.jsonl" and other != self.path:
-                    if read_record(other)[0]["run_id"] == rid:
-                        self._store.sync(other, rid)
-                        other.unlink()
             run = self._store.run(self.head)
+            rid = run.info.run_id
+            if self._sync_earlier(rid):  # their end events ended the run; it has their points
+                run = self._store.run({**self.head, "run_id": rid})
+            remember_run(self.head, rid)
             with self._lock:
-                if run.info.run_id != rid and self.path.exists():
-                    self._append({"run_id": run.info.run_id})
-                self.head["run_id"] = self._run_id = run.info.run_id
+                if rid != self.head["run_id"] and self.path.exists():
+                    self._append({"run_id": rid})
+                self.head["run_id"] = self._run_id = rid
                 for m in run.data._metric_objs:  # each key's latest point
                     self._last[m.key] = max(m.step, self._last.get(m.key, -1))
                 # From here on points are sent live; the sync takes what was logged before.
@@ -236,6 +257,25 @@ class Tracker:
         if self._sys and not self._stop.is_set():
             self._start_monitor()
         return True
+
+    def _sync_earlier(self, run_id: str) -> bool:
+        """Sync into `run_id`, oldest first, and delete the other records in the spool folder
+        that belong to it (by its id, or by this Tracker's run key: launches that never learned
+        the id); True when there was one."""
+        key, synced = self.head["run_key"], False
+        for other in records(self.dir):
+            if other == self.path:
+                continue
+            try:
+                head = read_record(other)[0]
+            except (OSError, ValueError) as e:  # cut short by a crash: the replay reports it
+                log.warning("%s", str(e)[:300])
+                continue
+            if head["run_id"] == run_id or (key and head.get("run_key") == key):
+                self._store.sync(other, run_id)
+                other.unlink()
+                synced = True
+        return synced
 
     def _retry(self) -> None:
         while not self._stop.wait(self._retry_s):
