@@ -522,8 +522,8 @@ MANIFEST_REGRESSIONS = [
      S0 + "is 'x' (a string), not an object"),
     # an unknown key: TypeError from ShardInfo(**sh)
     ("shard-unknown-key", put("size", 3),
-     S0 + "has the unknown key 'size' (known: ['bytes', 'name', 'num_samples', 'offsets', "
-     "'sha256'])"),
+     S0 + "has the unknown key 'size' (known: ['block_sha256', 'bytes', 'name', 'num_samples', "
+     "'offsets', 'sha256'])"),
     ("shard-missing-key", lambda b: shard0(b).pop("bytes"), S0 + "missing key 'bytes'"),
     # sum() of a string num_samples: TypeError
     ("num-samples-a-string", put("num_samples", "5"),

@@ -117,6 +117,10 @@ class BlockReader:
         return self._seekable and (self.f.seekable() if hasattr(self.f, "seekable") else False)
 
     def seek(self, n: int, whence: int = 0) -> int:
+        if whence == 2:  # where the end is (the tar reader asks once), staying where we are
+            end = self.f.seek(n, 2)
+            self.f.seek(self.pos)
+            return end
         target = self.f.seek(n, whence)
         if target < self.pos:
             raise ValueError(f"{self.url}: a checked read only moves forward")
