@@ -294,7 +294,9 @@ def test_table_is_wide():
 
 @pytest.mark.slow
 def test_broken_latest_pointer_is_one_line_error(tiny_shards, tmp_path):
-    """A `latest` that names a checkpoint which is not there (copied run, hand edits)."""
+    """A `latest` that names a checkpoint which is not there (copied run, hand edits), and no
+    other checkpoint to fall back to (with one, the run resumes from it: see
+    test_checkpoint_failover.py)."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step00000007\n")
@@ -305,7 +307,8 @@ def test_broken_latest_pointer_is_one_line_error(tiny_shards, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert "latest: names 'step00000007', which is not a complete checkpoint" in last, last
+    assert "no intact checkpoint to resume" in last, last
+    assert "latest names 'step00000007', which does not exist" in last, last
 
 
 def _schema() -> dict[str, Any]:

@@ -1,27 +1,57 @@
-"""Atomic DeepSpeed checkpoints in a run directory, with a `latest` pointer and pruning.
+"""Atomic, verified DeepSpeed checkpoints in a run directory, with a `latest` pointer and pruning.
 
-    RUN/checkpoints/step00000500/             complete checkpoints (DeepSpeed's files +
-                                              trainer_state.json)
+    RUN/checkpoints/step00000500/             complete checkpoints (DeepSpeed's files,
+                                              trainer_state.json and checksums.json)
     RUN/checkpoints/step00000500/universal/   the same in DeepSpeed's universal format, made
                                               by a launch of another world size
     RUN/checkpoints/latest                    the newest complete one's tag, replaced atomically
+    RUN/checkpoints/step00000500.damaged/     one a resume found damaged, set aside (deleted
+                                              by the next save)
 
-DeepSpeed writes into `<tag>.partial/`; only when every rank has finished is it renamed to
-`<tag>/` and `latest` replaced (temp file + rename). A kill at any moment therefore leaves
-`latest` naming a complete checkpoint, and a leftover `.partial` folder is deleted on the next
-save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks), `find` and
-`restore` (rank 0 decides which checkpoint and tells the others: no rank starts elsewhere).
-The run directory must be on storage all ranks share: `check_shared` refuses to start otherwise.
+DeepSpeed writes into `<tag>.partial/`; only when every rank has finished, rank 0 has written
+trainer_state.json and checksums.json (every file's size and sha256) is it renamed to `<tag>/`
+and `latest` replaced (temp file + rename). A kill at any moment therefore leaves `latest`
+naming a complete checkpoint, and a leftover `.partial` folder is deleted on the next resume
+or save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks), `find`
+and `restore` (rank 0 decides which checkpoint and tells the others: no rank starts
+elsewhere). The run directory must be on storage all ranks share: `check_shared` refuses to
+start otherwise.
+
+Fail-over. `find` checks the checkpoint `latest` names before anything loads it: its
+trainer_state.json parses and names its step, every file checksums.json lists is there with
+its size and sha256. A damaged one (a truncated or deleted file, a folder deleted, a `latest`
+that is unreadable or names nothing) is reported in one line and the newest intact `step*`
+folder is resumed instead; the damaged one is renamed `<tag>.damaged`. Only when none is
+intact does the launch stop, with one line. A checkpoint saved before checksums.json existed
+is accepted as it is and checked only by loading it; a load that DeepSpeed rejects stops with
+one line naming the checkpoint.
+
+Cost of the checksums. Every byte of a checkpoint is read back once when it is saved and once
+when a launch resumes from it: sha256 itself runs at about 1.3 GB/s on one core with SHA
+instructions, so on a shared file system the reads are what costs. The files are spread over
+the ranks to hash: each rank's ZeRO partition file by that rank (which wrote it, so its pages
+are often still in that node's cache), the rest largest first to the least loaded rank; a
+save or resume waits for the rank with the largest share. A ViT-L with AdamW saves about 5 GB
+(16 bytes a parameter): under ZeRO-1/2 on 8 ranks the largest share is the 1.2 GB
+model-states file plus one 0.5 GB partition, about 8 s at 200 MB/s; at ZeRO-0 the optimizer
+state is one 5 GB file that one rank reads, about 25 s. Both stay far inside the process
+group's timeout, which the other ranks wait under.
+
+Full disk. Before writing, rank 0 compares the free space of the checkpoint folder with what
+the save needs (the previous checkpoint's size, or an estimate from the parameter count) and,
+if short, deletes now the old checkpoints that pruning would delete after the save anyway
+(never the newest one), or stops with one line. A write that fails anyway (ENOSPC, a quota)
+stops with one line and removes the partial folder, so the relaunch has its space back.
 
 Another world size (a node lost, or added back). Under ZeRO >= 1 each rank saved only its
 partition of the fp32 weights and optimizer state, which a different number of ranks cannot
 load as it is. `resume` then has rank 0 convert the checkpoint once into DeepSpeed's universal
 format (one folder per parameter holding its whole fp32 value, Adam moments and step), into
 `<tag>/universal.partial/` renamed to `<tag>/universal/` when complete (`to_universal`), while
-the other ranks watch for it; every rank then loads it with DeepSpeed's universal load, which
-cuts each parameter into this world's partitions. Weights, moments and Adam's step count all
-continue. A stage-0 checkpoint needs none of this: rank 0 saved the whole optimizer state in
-one file, which any world size loads.
+the other ranks watch for it and for rank 0's heartbeat; every rank then loads it with
+DeepSpeed's universal load, which cuts each parameter into this world's partitions. Weights,
+moments and Adam's step count all continue. A stage-0 checkpoint needs none of this: rank 0
+saved the whole optimizer state in one file, which any world size loads.
 
 The data position does not carry over: each (rank, loader worker) stream reads its own part
 of an epoch (ssl_vit.data.stream_plan), so "batch k of epoch E" means other samples at another
@@ -36,75 +66,566 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import json
 import logging
+import os
+import re
 import shutil
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ssl_vit.engine.distributed import all_gather_object, barrier, broadcast_object
-from ssl_vit.io import atomic_write_text
+from ssl_vit.io import atomic_write_text, sha256_file
 
 STATE_NAME = "trainer_state.json"
+CHECKSUMS_NAME = "checksums.json"
+DAMAGED = ".damaged"  # suffix of a checkpoint folder a resume set aside
+UNIVERSAL = "universal"  # <tag>/universal: the checkpoint in DeepSpeed's universal format
 log = logging.getLogger("ssl_vit.train")
+
+_TAG = re.compile(r"step(\d+)")
 
 
 class CheckpointError(RuntimeError):
-    """The run directory's checkpoints cannot be resumed; the message says which and why."""
+    """The run directory's checkpoints cannot be resumed or written; the message says which
+    and why, in one line."""
 
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
-def latest_tag(ckpt_dir: Path) -> str | None:
-    """The newest complete checkpoint's tag, or None for a fresh run."""
-    pointer = ckpt_dir / "latest"
-    if not pointer.is_file():
+def _step_of(name: str) -> int | None:
+    m = _TAG.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The complete-looking checkpoint folders (`step<N>`, not `.partial` or `.damaged`),
+    oldest first by step."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if _step_of(p.name) is not None and p.is_dir()]
+    return sorted(found, key=lambda p: _step_of(p.name) or 0)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _folder_bytes(folder: Path, universal: bool = True) -> int:
+    """Bytes of the files under `folder`; without `universal`, leaving out the universal
+    copy a conversion adds (not part of what a save writes)."""
+    total = 0
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder).parts
+        if not universal and rel[0].startswith(UNIVERSAL):
+            continue
+        with contextlib.suppress(OSError):  # a file vanishing under us counts as nothing
+            if p.is_file():
+                total += p.stat().st_size
+    return total
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+
+
+# -- checksums -----------------------------------------------------------------------------
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")  # DeepSpeed's name of rank r's partition
+
+
+def _assign(files: dict[str, int], world: int) -> dict[str, int]:
+    """Which rank hashes each file (relative path -> bytes). A rank's ZeRO partition file goes
+    to that rank, which wrote it (its pages are likely still cached there, and the reads are
+    spread over the nodes); every other file, largest first, to the rank with the fewest bytes
+    so far. Only the spread depends on DeepSpeed's file names, not the result."""
+    load, out = [0] * world, {}
+    for name, size in files.items():
+        m = _RANK_FILE.search(Path(name).name)
+        if m and int(m.group(1)) < world:
+            out[name] = int(m.group(1))
+            load[out[name]] += size
+    for name, size in sorted(files.items(), key=lambda kv: (-kv[1], kv[0])):
+        if name not in out:
+            out[name] = min(range(world), key=lambda r: (load[r], r))
+            load[out[name]] += size
+    return out
+
+
+def _hash_files(folder: Path, files: dict[str, int], rank: int) -> dict[str, str]:
+    """sha256 of each of `files` (relative path -> bytes) under `folder`, each read by one rank
+    (`_assign`), on every rank (a collective: every rank passes the same `files`). A file that
+    cannot be read maps to "unreadable (why)" instead of a digest."""
+    share = [n for n, r in _assign(files, _world_size()).items() if r == rank]
+    mine = {}
+    for name in sorted(share):
+        try:
+            mine[name] = sha256_file(folder / name)  # 1 MiB reads: streams any size
+        except OSError as e:
+            mine[name] = f"unreadable ({e.strerror or e})"
+    out: dict[str, str] = {}
+    for part in all_gather_object(mine):
+        out.update(part)
+    return out
+
+
+def _list_files(folder: Path) -> dict[str, int]:
+    """Every file under `folder` but checksums.json: relative path -> bytes."""
+    return {
+        p.relative_to(folder).as_posix(): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != CHECKSUMS_NAME
+    }
+
+
+def _manifest_problem(folder: Path, manifest: dict[str, dict]) -> str | None:
+    """What is wrong with `folder` by sizes alone (cheap: no file read), or None."""
+    wrong = []
+    for name, entry in manifest.items():
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            wrong.append(f"{name} is missing")
+            continue
+        except OSError as e:
+            wrong.append(f"{name} cannot be read ({e.strerror or e})")
+            continue
+        if size != entry["bytes"]:
+            wrong.append(f"{name} has {size} bytes, {CHECKSUMS_NAME} says {entry['bytes']}")
+    return _summary(wrong)
+
+
+def _summary(wrong: list[str]) -> str | None:
+    if not wrong:
         return None
-    tag = pointer.read_text().strip()
-    if not tag or not (ckpt_dir / tag / STATE_NAME).is_file():
+    return wrong[0] + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+
+
+def _hash_problem(folder: Path, manifest: dict[str, dict], rank: int) -> str | None:
+    """What the sha256 of `folder`'s files says is wrong, or None (a collective)."""
+    sizes = {name: entry["bytes"] for name, entry in manifest.items()}
+    digests = _hash_files(folder, sizes, rank)
+    wrong = []
+    for name, entry in sorted(manifest.items()):
+        got = digests[name]
+        if got.startswith("unreadable"):
+            wrong.append(f"{name} is {got}")
+        elif got != entry["sha256"]:
+            wrong.append(f"{name} does not match its sha256 in {CHECKSUMS_NAME}")
+    return _summary(wrong)
+
+
+# -- finding the checkpoint to resume ----------------------------------------------------
+
+
+@dataclass
+class _Candidate:
+    """A checkpoint folder as rank 0 found it without reading its large files."""
+
+    tag: str
+    problem: str | None = None  # what is wrong, found cheaply (None: nothing so far)
+    manifest: dict[str, dict] | None = None  # checksums.json's files; None: an older save
+    state: dict = field(default_factory=dict)  # trainer_state.json
+
+
+@dataclass
+class _Survey:
+    pointer_problem: str | None  # what is wrong with `latest` (None: it names candidates[0])
+    candidates: list[_Candidate]  # in the order to try: `latest`'s, then newest first
+
+
+def _inspect(folder: Path) -> _Candidate:
+    """The cheap checks of one checkpoint folder: trainer_state.json parses and names the
+    folder's step, checksums.json parses, and every file it lists is there at its size."""
+    c = _Candidate(folder.name)
+    try:
+        state = json.loads((folder / STATE_NAME).read_text())
+    except FileNotFoundError:
+        c.problem = f"{STATE_NAME} is missing" if folder.is_dir() else "the folder is gone"
+        return c
+    except OSError as e:
+        c.problem = f"{STATE_NAME} cannot be read ({e.strerror or e})"
+        return c
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        c.problem = f"{STATE_NAME} is not valid JSON ({e})"
+        return c
+    if not isinstance(state, dict) or state.get("step") != _step_of(folder.name):
+        step = state.get("step") if isinstance(state, dict) else None
+        c.problem = f"{STATE_NAME} names step {step}, not {_step_of(folder.name)}"
+        return c
+    c.state = state
+    try:
+        body = json.loads((folder / CHECKSUMS_NAME).read_text())
+    except FileNotFoundError:
+        return c  # saved before checksums.json existed: checked by loading it only
+    except (OSError, ValueError) as e:
+        c.problem = f"{CHECKSUMS_NAME} cannot be read ({e})"
+        return c
+    files = body.get("files") if isinstance(body, dict) else None
+    if not isinstance(files, dict) or not all(_entry_ok(n, v) for n, v in files.items()):
+        c.problem = f"{CHECKSUMS_NAME} is not a list of this folder's files with bytes and sha256"
+        return c
+    c.manifest = files
+    c.problem = _manifest_problem(folder, files)
+    return c
+
+
+def _entry_ok(name: str, entry: object) -> bool:
+    """A checksums.json entry as `save` writes it: a path inside the folder (nothing outside it
+    is ever read), its size and sha256."""
+    inside = not Path(name).is_absolute() and ".." not in Path(name).parts
+    return (
+        inside
+        and isinstance(entry, dict)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+    )
+
+
+def _survey(ckpt_dir: Path) -> _Survey | None:
+    """What is there to resume, without reading the large files; None for a fresh run."""
+    pointer = ckpt_dir / "latest"
+    folders = _checkpoints(ckpt_dir)
+    named: str | None = None
+    problem: str | None = None
+    try:
+        named = pointer.read_text().strip()
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:  # ValueError: bytes that are not UTF-8
+        problem = f"{pointer} cannot be read ({e})"
+    if named is None and problem is None:
+        if not folders:
+            return None  # a fresh run
+        problem = f"{pointer} is missing"
+    first = ckpt_dir / named if named else None
+    if named is not None and (_step_of(named) is None or not first or not first.is_dir()):
+        what = "does not exist" if _step_of(named) is not None else "is not a checkpoint tag"
+        problem = f"{pointer} names {named!r}, which {what}"
+        first = None
+    order = ([first] if first else []) + [p for p in reversed(folders) if p != first]
+    return _Survey(problem, [_inspect(p) for p in order])
+
+
+def _none_intact(ckpt_dir: Path, problems: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"{ckpt_dir}: no intact checkpoint to resume ({'; '.join(problems)}); put back a "
+        f"good copy of a checkpoint, or delete {ckpt_dir} to train this run.dir from step 0"
+    )
+
+
+def latest_tag(ckpt_dir: Path) -> str | None:
+    """The tag of the checkpoint `find` will resume unless its sha256 disagrees, or None for a
+    fresh run; a CheckpointError at once when checkpoints are there but none passes the cheap
+    checks (`_inspect`: no large file is read, so every rank may call this, before the
+    expensive set-up)."""
+    survey = _survey(ckpt_dir)
+    if survey is None:
+        return None
+    for c in survey.candidates:
+        if c.problem is None:
+            return c.tag
+    said = [survey.pointer_problem] if survey.pointer_problem else []
+    raise _none_intact(
+        ckpt_dir, said + [f"{ckpt_dir / c.tag}: {c.problem}" for c in survey.candidates]
+    )
+
+
+def _remove_leftovers(ckpt_dir: Path, damaged: bool) -> None:
+    """Folders nobody will trust: interrupted saves (`*.partial`), interrupted conversions
+    (`<tag>/universal.partial`, a dead converter's heartbeat) and, with `damaged`, the
+    checkpoints a resume set aside (what they held is in that launch's log)."""
+    stale = [*ckpt_dir.glob("*.partial"), *ckpt_dir.glob(f"step*/{UNIVERSAL}.partial")]
+    if damaged:
+        stale += ckpt_dir.glob(f"*{DAMAGED}")
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    for beat in ckpt_dir.glob(f"step*/{UNIVERSAL}.heartbeat"):
+        beat.unlink(missing_ok=True)
+
+
+def _set_aside(ckpt_dir: Path, tags: list[str]) -> list[str]:
+    """Rename damaged checkpoints to `<tag>.damaged` (a resume never trusts them, the next
+    save deletes them); the new names."""
+    moved = []
+    for tag in tags:
+        src, dst = ckpt_dir / tag, ckpt_dir / f"{tag}{DAMAGED}"
+        if not src.is_dir():
+            continue
+        shutil.rmtree(dst, ignore_errors=True)
+        try:
+            src.rename(dst)
+            moved.append(dst.name)
+        except OSError as e:
+            log.warning("%s: could not set it aside as %s (%s)", src, dst.name, e)
+    return moved
+
+
+def find(ckpt_dir: Path, rank: int) -> tuple[str, dict] | None:
+    """(tag, trainer state) of the checkpoint to resume, the same on every rank, or None for a
+    fresh run (a collective).
+
+    Rank 0 surveys the folder (`_survey`: cheap checks of every checkpoint); then every rank
+    helps hash the candidates' files, in order, until one matches its checksums.json. Rank 0
+    sets the damaged ones aside, points `latest` at the one chosen and says so in one line."""
+    plan: _Survey | str | None = None
+    if rank == 0:
+        try:
+            if ckpt_dir.is_dir():
+                _remove_leftovers(ckpt_dir, damaged=False)  # e.g. a save that ran out of space
+            plan = _survey(ckpt_dir)
+        except OSError as e:
+            plan = f"{ckpt_dir}: cannot be read ({e}); check the run directory's file system"
+    plan = broadcast_object(plan)  # type: ignore[assignment]
+    if isinstance(plan, str):
+        raise CheckpointError(plan)
+    if plan is None:
+        return None
+    problems = [plan.pointer_problem] if plan.pointer_problem else []
+    chosen, damaged = None, []
+    for c in plan.candidates:
+        if c.problem is None and c.manifest is not None:
+            c.problem = _hash_problem(ckpt_dir / c.tag, c.manifest, rank)  # every rank
+        if c.problem is None:
+            chosen = c
+            break
+        problems.append(f"{ckpt_dir / c.tag}: {c.problem}")
+        damaged.append(c.tag)
+    if chosen is None:
+        raise _none_intact(ckpt_dir, problems)
+    where = ckpt_dir / chosen.tag
+    if rank == 0:
+        if problems:
+            moved = _set_aside(ckpt_dir, damaged)
+            with contextlib.suppress(OSError):  # else the next launch finds the same again
+                atomic_write_text(ckpt_dir / "latest", chosen.tag + "\n")
+            aside = f"; set aside as {', '.join(moved)} (deleted by the next save)" if moved else ""
+            log.warning(
+                "%s; resuming from the newest intact checkpoint, %s (step %d)%s",
+                "; ".join(problems), where, chosen.state["step"], aside,
+            )  # fmt: skip
+        if chosen.manifest is None:
+            log.info(
+                "%s has no %s (saved by an older ssl-vit): it is checked only by loading it",
+                where, CHECKSUMS_NAME,
+            )  # fmt: skip
+    missing = _unreachable(where / STATE_NAME, rank)
+    if missing:
         raise CheckpointError(
-            f"{pointer}: names {tag!r}, which is not a complete checkpoint; "
-            "delete the pointer to restart from scratch or point it at a complete one"
+            f"{where}: {missing} cannot read this checkpoint; put run.dir on storage "
+            "that every node shares"
         )
-    return tag
+    return chosen.tag, chosen.state
+
+
+# -- saving ------------------------------------------------------------------------------
+
+# What a save needs when there is no previous checkpoint to measure: the fp32 weights (4
+# bytes a parameter, 2 in bf16) plus AdamW's fp32 master copy and two moments (12), as
+# DeepSpeed's files hold them at any ZeRO stage. 16 is the largest of these sums, so the
+# estimate errs on the safe side (by a quarter for fp32 at stage 0, which keeps no master copy).
+BYTES_PER_PARAMETER = 16
+SPACE_MARGIN = 1.05  # a save is about the size of the one before; a little room for the rest
+
+
+def free_bytes(path: Path) -> int:
+    """Free space for this user on `path`'s file system (a quota the file system does not
+    report through statvfs is not seen: a write then fails, and `_write_failure` says so)."""
+    return shutil.disk_usage(path).free
+
+
+def bytes_needed(ckpt_dir: Path, engine: Any) -> tuple[int, str]:
+    """(bytes the next save needs, how that was estimated). The previous checkpoint's size when
+    there is one (the same model and optimizer save the same tensors again), else the
+    parameter count x BYTES_PER_PARAMETER: either is an estimate, with SPACE_MARGIN on top."""
+    folders = _checkpoints(ckpt_dir)
+    if folders:
+        size = _folder_bytes(folders[-1], universal=False)
+        if size:
+            return int(size * SPACE_MARGIN), f"the size of {folders[-1].name}"
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
+    need = int(params * BYTES_PER_PARAMETER * SPACE_MARGIN)
+    return need, f"{params} parameters x {BYTES_PER_PARAMETER} bytes"
+
+
+def _doomed(ckpt_dir: Path, tag: str, keep: int) -> list[Path]:
+    """The checkpoints `_prune` would delete once `tag` is saved, less the newest one and the
+    one `latest` names: these may go before the save, which never leaves the run without an
+    intact checkpoint if it fails."""
+    folders = [p for p in _checkpoints(ckpt_dir) if p.name != tag]
+    if not folders:
+        return []
+    after = sorted([*(p.name for p in folders), tag], key=lambda t: _step_of(t) or 0)
+    pruned = set(after[: max(0, len(after) - keep)])
+    with contextlib.suppress(OSError):
+        pruned.discard((ckpt_dir / "latest").read_text().strip())
+    return [p for p in folders[:-1] if p.name in pruned]
+
+
+def make_room(ckpt_dir: Path, tag: str, keep: int, need: int, basis: str) -> None:
+    """Enough free space for a save of `need` bytes, deleting early what pruning would delete
+    after it (`_doomed`) if that is what it takes; else a CheckpointError naming the folder,
+    the bytes needed and free, and what to do."""
+    free = free_bytes(ckpt_dir)
+    if free >= need:
+        return
+    doomed = _doomed(ckpt_dir, tag, keep)
+    gain = sum(_folder_bytes(p) for p in doomed)
+    if doomed and free + gain >= need:
+        log.info(
+            "%s: %s free, about %s needed for %s: deleting %s before the save rather than after "
+            "(run.keep_checkpoints=%d)",
+            ckpt_dir, _size(free), _size(need), tag, ", ".join(p.name for p in doomed), keep,
+        )  # fmt: skip
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+        return
+    lower = ""
+    for k in range(keep - 1, 0, -1):  # the largest keep that would make the room
+        if free + sum(_folder_bytes(p) for p in _doomed(ckpt_dir, tag, k)) >= need:
+            lower = f", or lower run.keep_checkpoints to {k}"
+            break
+    raise CheckpointError(
+        f"{ckpt_dir}: not enough free space for checkpoint {tag}: about {_size(need)} needed "
+        f"({basis}), {_size(free)} free; free space on that file system{lower}, then relaunch "
+        "(the run resumes from its last complete checkpoint)"
+    )
+
+
+# torch's zip writer reports a failed write in its own words (a full disk gave "unexpected pos
+# N vs M" from inline_container.cc with torch 2.14, "basic_ios::clear" or "file write failed"
+# with others), not as an OSError.
+_TORCH_WRITE_ERRORS = ("basic_ios", "No space", "file write failed", "inline_container",
+                       "PytorchStreamWriter")  # fmt: skip
+
+
+def _write_failure(e: BaseException, partial: Path) -> str | None:
+    """One line for an exception of a checkpoint write that is the file system's doing (an
+    OSError, or torch's writer failing), naming the folder and the free space; else None."""
+    if isinstance(e, OSError):
+        why = e.strerror or str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            why += " (a full disk or quota)"
+    elif isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_ERRORS):
+        why = f"torch's writer: {_first_line(e)}"
+    else:
+        return None
+    try:
+        free = f"{_size(free_bytes(partial.parent))} free there"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"{partial}: writing the checkpoint failed ({why}; {free}); the partial checkpoint is "
+        "removed and the last complete one kept: free space (or lower run.keep_checkpoints), "
+        "then relaunch"
+    )
+
+
+def _check(error: str | None) -> None:
+    """Raise on every rank the error one rank found (its argument, after a broadcast)."""
+    if error:
+        raise CheckpointError(error)
 
 
 def save(engine: Any, ckpt_dir: Path, step: int, state: dict, rank: int, keep: int) -> str:
-    """Write a checkpoint for `step` on every rank; returns its tag."""
+    """Write a checkpoint for `step` on every rank; returns its tag. Stops with a
+    CheckpointError (one line) when there is no room for it, leaving no partial folder."""
     tag = tag_for(step)
-    partial = f"{tag}.partial"
+    partial = ckpt_dir / f"{tag}.partial"
+    error = None
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_dir.glob("*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(ckpt_dir, damaged=True)
+            make_room(ckpt_dir, tag, keep, *bytes_needed(ckpt_dir, engine))
+        except CheckpointError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"{ckpt_dir}: cannot prepare the checkpoint folder ({e}); check its storage"
+    _check(broadcast_object(error))  # type: ignore[arg-type]
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=partial.name, save_latest=False)
+    except (OSError, RuntimeError) as e:
+        # This rank stops; DeepSpeed's ranks that wrote their part wait in its last barrier
+        # until the launcher, seeing this one exit, ends them (or the process group times out).
+        line = _write_failure(e, partial)
+        if line is None:
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(line) from e
     barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=partial, save_latest=False)
-    barrier()
+    files, error = None, None
     if rank == 0:
-        atomic_write_text(ckpt_dir / partial / STATE_NAME, json.dumps(state, indent=2))
-        final = ckpt_dir / tag
-        if final.exists():  # same step saved before (a rerun that ended here): replace it
-            shutil.rmtree(final)
-        (ckpt_dir / partial).rename(final)
-        atomic_write_text(ckpt_dir / "latest", tag + "\n")
-        _prune(ckpt_dir, keep)
-    barrier()
+        try:
+            atomic_write_text(partial / STATE_NAME, json.dumps(state, indent=2))
+            files = _list_files(partial)
+        except OSError as e:
+            error = _write_failure(e, partial)
+    files, error = broadcast_object((files, error))  # type: ignore[misc]
+    if error:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(error)
+    digests = _hash_files(partial, files, rank)  # every rank reads its share back
+    if rank == 0:
+        error = _finish(ckpt_dir, partial, tag, files, digests, keep)
+    _check(broadcast_object(error))  # type: ignore[arg-type]
     return tag
 
 
+def _finish(
+    ckpt_dir: Path, partial: Path, tag: str, files: dict, digests: dict, keep: int
+) -> str | None:
+    """Rank 0: checksums.json, then the rename, `latest` and pruning; an error line or None.
+    checksums.json is written before the rename, so every complete checkpoint has one."""
+    try:
+        unreadable = [f"{n} is {d}" for n, d in sorted(digests.items()) if d.startswith("unread")]
+        if unreadable:
+            shutil.rmtree(partial, ignore_errors=True)
+            return (
+                f"{partial}: the checkpoint just written cannot be read back "
+                f"({_summary(unreadable)}); check the run directory's storage, then relaunch"
+            )
+        body = {n: {"bytes": files[n], "sha256": digests[n]} for n in sorted(files)}
+        atomic_write_text(partial / CHECKSUMS_NAME, json.dumps({"files": body}, indent=1))
+        final = ckpt_dir / tag
+        if final.exists():  # same step saved before (a rerun that ended here): replace it
+            shutil.rmtree(final)
+        partial.rename(final)
+        atomic_write_text(ckpt_dir / "latest", tag + "\n")
+    except OSError as e:
+        line = _write_failure(e, partial)
+        shutil.rmtree(partial, ignore_errors=True)
+        return line
+    _prune(ckpt_dir, keep)
+    return None
+
+
 def _prune(ckpt_dir: Path, keep: int) -> None:
-    tags = sorted(
-        p for p in ckpt_dir.glob("step*") if p.is_dir() and not p.name.endswith(".partial")
-    )
-    for old in tags[: max(0, len(tags) - keep)]:
+    folders = _checkpoints(ckpt_dir)
+    for old in folders[: max(0, len(folders) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -126,39 +647,36 @@ def check_shared(run_dir: Path, rank: int) -> None:
         )
 
 
-def find(ckpt_dir: Path, rank: int) -> tuple[str, dict] | None:
-    """(tag, trainer state) of the checkpoint to resume, the same on every rank, or None for a
-    fresh run. Rank 0 decides; every rank must be able to read it (a collective)."""
-    try:
-        found: tuple = (latest_tag(ckpt_dir), None) if rank == 0 else (None, None)
-    except CheckpointError as e:
-        found = (None, str(e))
-    tag, error = broadcast_object(found)  # type: ignore[misc]
-    if error:
-        raise CheckpointError(error)
-    if tag is None:
-        return None
-    missing = _unreachable(ckpt_dir / tag / STATE_NAME, rank)
-    if missing:
-        raise CheckpointError(
-            f"{ckpt_dir / tag}: {missing} cannot read this checkpoint; put run.dir on storage "
-            "that every node shares"
-        )
-    return tag, json.loads((ckpt_dir / tag / STATE_NAME).read_text())
-
-
-UNIVERSAL = "universal"  # <tag>/universal: the checkpoint in DeepSpeed's universal format
+# -- loading -----------------------------------------------------------------------------
 
 
 def restore(engine: Any, ckpt_dir: Path, tag: str, universal: bool = False) -> None:
     """Load model and optimizer state of checkpoint `tag` (every rank); `universal`: from
-    `<tag>/universal` (`to_universal`), with DeepSpeed's universal load."""
+    `<tag>/universal` (`to_universal`), with DeepSpeed's universal load. Whatever DeepSpeed
+    raises while loading becomes one line naming the checkpoint."""
     load_dir, load_tag = (ckpt_dir / tag, UNIVERSAL) if universal else (ckpt_dir, tag)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    with _universal_load(engine, universal):
-        path, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
+    if universal:
+        what_to_do = "delete that folder to convert again, or resume at the saved world size"
+    else:
+        what_to_do = (
+            f"rename it to {tag}{DAMAGED} to resume from the checkpoint before it, or delete "
+            f"{ckpt_dir} to train this run.dir from step 0"
+        )
+    try:
+        with _universal_load(engine, universal):
+            path, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
+    except (CheckpointError, torch.cuda.OutOfMemoryError):  # not the checkpoint's fault
+        raise
+    except Exception as e:  # torch's unpickler, DeepSpeed's asserts: a damaged or odd file
+        raise CheckpointError(
+            f"{load_dir / load_tag}: DeepSpeed could not load this checkpoint "
+            f"({_first_line(e)}); {what_to_do}"
+        ) from e
     if path is None:
-        raise CheckpointError(f"{load_dir / load_tag}: DeepSpeed could not load this checkpoint")
+        raise CheckpointError(
+            f"{load_dir / load_tag}: DeepSpeed could not load this checkpoint; {what_to_do}"
+        )
     if universal:
         _repair_universal_load(engine.optimizer, groups)
 
@@ -210,6 +728,83 @@ def _universal_load(engine: Any, on: bool) -> Iterator[None]:
         config.load_universal_checkpoint = before
 
 
+# Rank 0 rewrites a heartbeat file while it converts; a waiting rank gives up when it has not
+# changed for HEARTBEAT_LIMIT_S (the environment variable overrides it): a dead rank 0 stops
+# the others in bounded time, while a slow conversion that is alive may take as long as it
+# needs. The limit is far above the beat's period and a network file system's attribute
+# caching (up to a minute), so a live converter is never taken for a dead one.
+HEARTBEAT_EVERY_S = 5.0
+HEARTBEAT_LIMIT_S = 600.0
+HEARTBEAT_LIMIT_ENV = "SSL_VIT_HEARTBEAT_LIMIT_S"
+
+
+def heartbeat_limit() -> float:
+    """HEARTBEAT_LIMIT_S, or the number of seconds in $SSL_VIT_HEARTBEAT_LIMIT_S."""
+    text = os.environ.get(HEARTBEAT_LIMIT_ENV, "").strip()
+    if not text:
+        return HEARTBEAT_LIMIT_S
+    try:
+        limit = float(text)
+    except ValueError:
+        limit = 0.0
+    if not limit > 0:
+        raise CheckpointError(
+            f"{HEARTBEAT_LIMIT_ENV}={text!r}: give a positive number of seconds, or unset it"
+        )
+    return limit
+
+
+@contextlib.contextmanager
+def heartbeat(path: Path, every: float = HEARTBEAT_EVERY_S) -> Iterator[None]:
+    """Rewrite `path` every `every` seconds from a thread while the body runs (each time with a
+    new count, so a reader sees a change whatever the clocks of the nodes say); removed after."""
+    stop = threading.Event()
+    who = f"rank 0 on {socket.gethostname()}, pid {os.getpid()}"
+
+    def beat() -> None:
+        n = 0
+        while True:
+            n += 1
+            with contextlib.suppress(OSError):  # e.g. a full disk: the waiters' limit tells
+                atomic_write_text(path, f"{who}: beat {n}\n")
+            if stop.wait(every):
+                return
+
+    thread = threading.Thread(target=beat, name="checkpoint-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        path.unlink(missing_ok=True)
+
+
+def wait_for_rank0(
+    done: Callable[[], bool], beat: Path, host: str, what: str, limit: float | None = None
+) -> None:
+    """Poll `done` until true, or raise a CheckpointError naming rank 0 and its `host` once
+    `beat` (rank 0's `heartbeat`) has not changed for `limit` seconds of this rank's clock."""
+    limit = heartbeat_limit() if limit is None else limit
+    last: str | None = None
+    since = time.monotonic()
+    while not done():
+        try:
+            seen: str | None = beat.read_text()
+        except (OSError, ValueError):
+            seen = None  # not written yet, or between two beats
+        now = time.monotonic()
+        if seen is not None and seen != last:
+            last, since = seen, now
+        elif now - since > limit:
+            raise CheckpointError(
+                f"{beat}: rank 0 on {host} gave no sign of life for {limit:.0f} s while "
+                f"{what}; it has probably died: relaunch the run (to wait longer, set "
+                f"{HEARTBEAT_LIMIT_ENV})"
+            )
+        time.sleep(min(1.0, limit / 4))
+
+
 def to_universal(ckpt_dir: Path, tag: str, rank: int) -> None:
     """Convert checkpoint `tag` to DeepSpeed's universal format in `<tag>/universal/`, once: a
     later launch reuses it (every rank calls this; rank 0 converts).
@@ -220,47 +815,60 @@ def to_universal(ckpt_dir: Path, tag: str, rank: int) -> None:
     launch would trust; a failure is written to `universal.failed` instead. The other ranks
     wait by watching for either on the shared run directory, not inside a collective: the
     conversion of a large model on a network file system can outlast the process group's
-    timeout (DeepSpeed's 10 minutes by default), which would abort every rank. Our modules
-    carry no universal-checkpoint metadata (tensor-parallel patterns; we have none), which the
-    converter is told to add (`inject_missing_state`). Its progress output is kept out of the
-    log unless it fails."""
+    timeout (DeepSpeed's 10 minutes by default), which would abort every rank. They watch
+    rank 0's heartbeat too (`<tag>/universal.heartbeat`), and stop with one line when it
+    stops (`wait_for_rank0`). Our modules carry no universal-checkpoint metadata
+    (tensor-parallel patterns; we have none), which the converter is told to add
+    (`inject_missing_state`). Its progress output is kept out of the log unless it fails."""
     final = ckpt_dir / tag / UNIVERSAL
     failed = final.with_name(UNIVERSAL + ".failed")
+    beat = final.with_name(UNIVERSAL + ".heartbeat")
     if rank == 0:
         failed.unlink(missing_ok=True)  # an earlier launch's: this one tries again
-    barrier()
+        beat.unlink(missing_ok=True)
+    host = str(broadcast_object(socket.gethostname()))  # rank 0's, for the waiters' error
+    error, told = None, True
     if rank == 0 and not final.is_dir():
         partial = final.with_name(UNIVERSAL + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
         output = io.StringIO()
         try:
-            from deepspeed.checkpoint import ds_to_universal
+            with heartbeat(beat):  # from the start: deleting a large leftover takes time too
+                shutil.rmtree(partial, ignore_errors=True)
+                from deepspeed.checkpoint import ds_to_universal
 
-            args = argparse.Namespace(
-                input_folder=str(ckpt_dir / tag),
-                output_folder=str(partial),
-                num_extract_workers=1,
-                num_merge_workers=1,
-                keep_temp_folder=False,
-                strict=True,
-                inject_missing_state=True,
-            )
-            with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-                ds_to_universal.main(args)
-            # it also points `<tag>/latest_universal` at the folder it wrote; we load by name
-            (ckpt_dir / tag / "latest_universal").unlink(missing_ok=True)
-            partial.rename(final)
+                args = argparse.Namespace(
+                    input_folder=str(ckpt_dir / tag),
+                    output_folder=str(partial),
+                    num_extract_workers=1,
+                    num_merge_workers=1,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,
+                )
+                with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+                    ds_to_universal.main(args)
+                # it also points `<tag>/latest_universal` at the folder it wrote; we load by name
+                (ckpt_dir / tag / "latest_universal").unlink(missing_ok=True)
+                partial.rename(final)
         except Exception as e:  # any failure of the converter: every rank must hear of it
             log.error("ds_to_universal output:\n%s", output.getvalue()[-5000:])
             shutil.rmtree(partial, ignore_errors=True)
-            atomic_write_text(failed, f"{type(e).__name__}: {e}")
-    while not (final.is_dir() or failed.is_file()):
-        time.sleep(1.0)
-    barrier()
-    if failed.is_file():
+            error = f"{type(e).__name__}: {e}"
+            try:
+                atomic_write_text(failed, error)
+            except OSError:  # e.g. a full disk: the others stop when the heartbeat does
+                told = False
+    if rank != 0:
+        converting = f"converting {ckpt_dir / tag} to a universal checkpoint"
+        wait_for_rank0(lambda: final.is_dir() or failed.is_file(), beat, host, converting)
+        if failed.is_file():
+            error = failed.read_text().strip()
+    if told:  # else the others wait for a file that will not come: stop now, the launcher ends them
+        barrier()
+    if error:
         raise CheckpointError(
             f"{ckpt_dir / tag}: conversion to a universal checkpoint failed "
-            f"({failed.read_text().strip()}); resume at the saved world size, or start a new "
+            f"({error}); resume at the saved world size, or start a new "
             "run.dir with model.init_from pointing at this run"
         )
 
