@@ -40,6 +40,9 @@ LONGEST_FIRST = (
     "test_mlflow_native",  # 237 s
     "test_remote_shards",  # ~130 s (2 trainings, a 2-rank launch, S3 and HTTP servers)
     "test_elastic",  # ~60 s
+    "test_checkpoint_failover",  # ~80 s (real launches: damaged, deleted, full-disk checkpoints)
+    "test_non_square",  # ~100 s (pretraining, kNN, probe and fine-tune, two sets)
+    "test_hostile_inputs",  # ~60 s (misbehaving servers, tampered sets)
     "test_bad_inputs",  # 130 s
     "test_compile",  # 102 s
     "test_launchers",  # ~40 s

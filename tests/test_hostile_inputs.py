@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from servers import Drip, Html, Length, Mutate, Redirect, Stall
+from servers import Drip, Html, Length, Mutate, NoRange, Redirect, Stall
 
 from ssl_vit.data.blocks import block_digests
 from ssl_vit.data.manifest import ManifestError, load_manifest
@@ -295,3 +295,18 @@ def test_an_older_set_gains_block_checksums_in_place(tiny_shards, tmp_path):
     )  # noqa: E501
     proc = subprocess.run(verify, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1 and "block_sha256[0] does not match" in proc.stderr, proc
+
+
+def test_a_server_without_range_support_is_read_from_the_start(tiny_shards, serve_http):
+    """Simple web servers answer a ranged GET with the whole file: a stream that starts inside
+    a shard then reads it from byte 0 and skips forward, delivering the same samples."""
+    server = serve_http(tiny_shards)
+    for i in range(4):
+        server.set_faults(f"train-{i:06d}.tar", NoRange())
+    local = select_shards(load_manifest(tiny_shards), "train")[1]
+    remote = select_shards(load_manifest(server.url), "train")[1]
+    counter = ReadCounter(mp.get_context())
+    got = [s["__index__"] for s in read_shard(remote, counter, start=50, retry=QUICK)]
+    want = [s["__index__"] for s in read_shard(local, ReadCounter(mp.get_context()), start=50)]
+    assert got == want and len(got) == 128 - 50
+    assert counter.bytes_read >= local.size  # the shard's head was read too

@@ -36,6 +36,7 @@ from .urls import (
     is_missing,
     join,
     local_path,
+    note_no_range,
     open_url,
     reason,
 )
@@ -307,6 +308,8 @@ def read_shard(
         finally:
             if src is not None:
                 counter.add(bytes_read=src.bytes)
+        if ref.remote and note_no_range(error, ref.url):  # reopened from byte 0: not a failure
+            continue
         failures = 1 if nxt > before else failures + 1  # a try that moved on starts afresh
         retryable = ref.remote and not is_missing(error)
         if not retryable or failures >= retry.attempts:

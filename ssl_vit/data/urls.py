@@ -14,6 +14,7 @@ with exponential backoff by `Retry`; a file that does not exist (404, no such ke
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import IO, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 PIPE = "pipe:"
 _REMOTE_BLOCK = 8 << 20  # bytes fetched per ranged request: large enough to stream a shard
 
@@ -135,7 +137,55 @@ def reason(error: BaseException) -> str:
     return f"{type(inner).__name__}: {text[:300]}"
 
 
-def _fsspec_open(url: str, retry: Retry):
+# Servers found to ignore Range headers (simple web servers, some proxies): reads from them start
+# at byte 0 and the reader skips forward, costing the bytes before the start (counted as read).
+_NO_RANGE: set[str] = set()
+
+
+def _server(url: str) -> str:
+    return url.split("://", 1)[-1].split("/", 1)[0]
+
+
+def note_no_range(error: BaseException | None, url: str) -> bool:
+    """Whether `error` is fsspec's word that the server of `url` ignores Range headers; if so,
+    later opens of its files read from the start (logged once per server)."""
+    if not isinstance(error, ValueError) or "support range requests" not in str(error):
+        return False
+    if _server(url) in _NO_RANGE:  # known already, yet it failed so: a real failure
+        return False
+    _NO_RANGE.add(_server(url))
+    log.warning(
+        "%s: the server ignores Range requests; its shards are read from their start, "
+        "skipping to where each read begins (more bytes read, see data/gbytes_read)",
+        _server(url),
+    )
+    return True
+
+
+class _Stream:
+    """A file read from its start to its end, never seeked (fsspec's streaming HTTP file says
+    it can seek, then refuses to)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+
+    def read(self, n: int = -1) -> bytes:
+        return self.f.read(n)
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _fsspec_open(url: str, retry: Retry, stream: bool = False):
     import fsspec
 
     protocol = url.split("://", 1)[0]
@@ -153,7 +203,7 @@ def _fsspec_open(url: str, retry: Retry):
     elif protocol == "s3":
         options["config_kwargs"] = {"read_timeout": timeout, "connect_timeout": timeout}
     fs, path = fsspec.core.url_to_fs(url, **options)
-    return fs.open(path, "rb", block_size=_REMOTE_BLOCK)
+    return fs.open(path, "rb", block_size=0 if stream else _REMOTE_BLOCK)
 
 
 def open_url(url: str, start: int = 0, *, retry: Retry | None = None) -> tuple[IO[bytes], int]:
@@ -170,6 +220,8 @@ def open_url(url: str, start: int = 0, *, retry: Retry | None = None) -> tuple[I
         from webdataset.gopen import gopen
 
         return gopen(url, "rb"), 0
+    if start and _server(url) in _NO_RANGE:  # from the start: the caller skips up to `start`
+        return _Stream(_fsspec_open(url, retry or Retry(), stream=True)), 0  # type: ignore[return-value]
     f = _fsspec_open(url, retry or Retry())
     if start:
         f.seek(start)
