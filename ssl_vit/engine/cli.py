@@ -148,6 +148,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     # DeepSpeed loads only now (seconds): a bad config or --check answers without it.
     from ssl_vit.data.shards import ShardReadError
     from ssl_vit.engine.checkpoint import CheckpointError
+    from ssl_vit.engine.distributed import BarrierTimeout
     from ssl_vit.engine.trainer import NonFiniteLossError, train
 
     try:
@@ -157,7 +158,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
             run_sweep(args.config, overrides, args.sweep, header, train)
         else:
             train(cfg, header=header)
-    except (ConfigError, ManifestError, CheckpointError) as e:
+    except (ConfigError, ManifestError, CheckpointError, BarrierTimeout) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ShardReadError as e:  # data.missing_shards=error, after the read's retries

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -72,9 +74,42 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+# Seconds a rank waits at one of our barriers for the others (SSL_VIT_BARRIER_TIMEOUT_S
+# overrides): as long as the process group's own timeout (DeepSpeed's 10 minutes), but the
+# error names the ranks that did not arrive.
+BARRIER_TIMEOUT_S = 600.0
+_monitor_group: object | None = None
+
+
+class BarrierTimeout(RuntimeError):
+    """Some ranks never reached a barrier: they died or hang; the message names them."""
+
+
+def barrier(what: str = "a barrier") -> None:
+    """Wait for every rank, at most BARRIER_TIMEOUT_S; then a one-line BarrierTimeout naming
+    the ranks that did not come. Through a gloo group (torch's monitored barrier runs only on
+    gloo), made by the first call, which every rank makes together."""
+    global _monitor_group
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if _monitor_group is None:
+        _monitor_group = (
+            dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        )
+    limit = float(os.environ.get("SSL_VIT_BARRIER_TIMEOUT_S", BARRIER_TIMEOUT_S))
+    try:
+        dist.monitored_barrier(
+            group=_monitor_group, timeout=timedelta(seconds=limit), wait_all_ranks=True
+        )
+    except RuntimeError as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        found = re.search(r"[Rr]anks? ([0-9, ]+) failed to pass", text)
+        who = f"rank(s) {found.group(1).strip()}" if found else "some rank"
+        raise BarrierTimeout(
+            f"rank {dist.get_rank()} on {socket.gethostname()}: {who} did not reach {what} "
+            f"within {limit:g} s ({text[:200]}); they died or hang: check their logs, then "
+            "relaunch (the run resumes from its last checkpoint)"
+        ) from None
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
