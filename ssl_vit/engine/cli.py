@@ -100,23 +100,57 @@ def _world_sizes(text: str | None, world: int) -> list[int]:
     return sizes
 
 
+def _describe_plan(cfg, plan, world: int) -> str:
+    """--check's lines about the data: how long the run is in this data's epochs, how often an
+    epoch reads the shard set, and the loader's processes against this machine's cores."""
+    d, t = cfg.data, cfg.train
+    total = plan.manifest.split(d.split).num_samples
+    if t.steps:
+        length = f"train.steps={t.steps} = {plan.epochs:.2f} epochs of this data"
+    else:
+        length = f"train.epochs={t.epochs:g} = {plan.total_steps} steps"
+    workers = d.num_workers
+    cores = os.cpu_count() or 1
+    reads = (
+        "held in RAM or resampled: read once"
+        if plan.read_factor == 1.0 and (d.resampled or d.in_memory is True)
+        else f"each epoch reads the shard set {plan.read_factor:.2f} times"
+    )
+    return "\n".join(
+        [
+            f"{world} rank(s): {plan.num_train} of the {total} {d.split!r} samples trained on; "
+            f"{plan.steps_per_epoch} steps per epoch at train.global_batch={t.global_batch}",
+            f"  length: {length} ({plan.total_steps * t.global_batch:.3g} images seen)",
+            f"  reads: {reads} ({world} rank(s) x {max(1, workers)} workers = "
+            f"{world * max(1, workers)} loader streams)",
+            f"  loader: data.num_workers={workers} per rank, {workers + 1} processes per rank; "
+            f"this machine has {cores} cores (room for {max(0, cores // (workers + 1))} rank(s) "
+            "at one core per process)",
+        ]
+    )
+
+
 def _check(cfg, args, world: int) -> int:
     """--check: the config against each launch size (and the data unless --no-data)."""
     sizes = _world_sizes(args.world_sizes, world)
     in_chans = cfg.model.in_chans or 3
+    plans = {}
     for n in sizes:
         validate(cfg, world_size=n)
         if not args.no_data:
-            manifest, _, _ = check_data(cfg, n)
-            in_chans = cfg.model.in_chans or manifest.channels
+            plans[n] = check_data(cfg, n)
+            in_chans = cfg.model.in_chans or plans[n].manifest.channels
     # timm loads only now: a bad value or shard set answers before it (check_model loads it
     # itself when the data is checked).
     from ssl_vit.engine.memory import describe, estimate
 
     precision = "fp32" if cfg.train.precision == "fp32" else "bf16"  # on a GPU
     for n in sizes:
+        if n in plans:
+            print(_describe_plan(cfg, plans[n], n))
         if not cfg.model.init_from:
-            print(describe(estimate(cfg, n, in_chans, precision), n, args.gpu_gib))
+            est = estimate(cfg, n, in_chans, precision)
+            print(describe(est, n, args.gpu_gib, configured=cfg.train.zero_stage))
     ranks = ", ".join(str(n) for n in sizes)
     print(f"ok: {args.config or 'defaults'} is valid for {ranks} rank(s)")
     return 0

@@ -76,8 +76,17 @@ def estimate(cfg: Config, world: int, in_chans: int, precision: str) -> MemoryEs
     )
 
 
-def describe(est: MemoryEstimate, world: int, gpu_gib: float = 80.0) -> str:
-    """Lines for `--check`: the batch split, then GiB per GPU at each stage."""
+def max_micro(est: MemoryEstimate, stage: int, gpu_gib: float) -> int:
+    """The largest micro batch whose estimate fits `gpu_gib` at ZeRO `stage` (activations grow
+    linearly with it); 0 when even the model states do not fit."""
+    per_sample = est.activations_flash / est.micro
+    room = gpu_gib * GIB - est.model_states[stage]
+    return max(0, int(room // per_sample))
+
+
+def describe(est: MemoryEstimate, world: int, gpu_gib: float = 80.0, configured: int = 0) -> str:
+    """Lines for `--check`: the batch split, then GiB per GPU at each stage, the configured
+    stage and the lowest that fits marked, and the largest micro batch that fits."""
     lines = [
         f"{world} rank(s): per-rank batch {est.per_rank_batch} = micro {est.micro} x "
         f"{est.accum} accumulation step(s); {est.params / 1e6:.1f}M parameters, "
@@ -86,12 +95,24 @@ def describe(est: MemoryEstimate, world: int, gpu_gib: float = 80.0) -> str:
     fits = [s for s in range(4) if est.total(s) / GIB <= gpu_gib]
     for stage in range(4):
         states, total = est.model_states[stage] / GIB, est.total(stage) / GIB
-        note = "  <- lowest stage that fits" if fits and stage == fits[0] else ""
+        notes = ["configured (train.zero_stage)"] if stage == configured else []
+        if fits and stage == fits[0]:
+            notes.append("lowest stage that fits")
+        note = f"  <- {', '.join(notes)}" if notes else ""
         lines.append(
             f"  ZeRO-{stage}: model states {states:6.1f} GiB + activations "
             f"{est.activations_flash / GIB:5.1f} GiB (flash; {est.activations / GIB:.1f} "
             f"without) = {total:6.1f} GiB per GPU{note}"
         )
-    if not fits:
-        lines.append(f"  no stage fits {gpu_gib:.0f} GiB: lower train.micro_batch")
+    largest = max_micro(est, configured, gpu_gib)
+    lines.append(
+        f"  largest micro batch that fits {gpu_gib:g} GiB at ZeRO-{configured}: {largest} "
+        f"(now {est.micro}; set train.micro_batch to cap it)"
+    )
+    if configured not in fits:
+        lines.append(
+            f"  ZeRO-{configured} does not fit {gpu_gib:.0f} GiB at micro batch {est.micro}: "
+            + (f"use ZeRO-{fits[0]} or " if fits else "")
+            + "lower train.micro_batch"
+        )
     return "\n".join(lines)

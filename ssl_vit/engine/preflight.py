@@ -7,14 +7,29 @@ answer in a moment, and so a run directory is never created for a run that canno
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ssl_vit.config import Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
 
 
-def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
-    """Validate the config against the shard set and the model it names; returns
-    (manifest, steps/epoch, total steps)."""
+@dataclass(frozen=True)
+class DataPlan:
+    """What a config means on its shard set: what `--check` reports."""
+
+    manifest: Manifest
+    num_train: int  # samples trained on (held-out ones and train_fraction left out)
+    steps_per_epoch: int
+    total_steps: int
+    read_factor: float  # times an epoch reads the shard set (1.0: in RAM or resampled)
+
+    @property
+    def epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+
+def check_data(cfg: Config, world: int) -> DataPlan:
+    """Validate the config against the shard set and the model it names."""
     local_batch(cfg, world)
     manifest = load_manifest(cfg.data.root)
     split = manifest.split(cfg.data.split)
@@ -49,16 +64,17 @@ def check_data(cfg: Config, world: int) -> tuple[Manifest, int, int]:
             f"samples of split {cfg.data.split!r}; lower the batch"
             + (f" or raise data.train_fraction={fraction}" if fraction < 1 else "")
         )
-    check_read_plan(cfg, manifest, world)
+    factor = check_read_plan(cfg, manifest, world)
     check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
-    return manifest, steps_per_epoch, total_steps
+    return DataPlan(manifest, num_train, steps_per_epoch, total_steps, factor)
 
 
-def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> None:
+def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> float:
     """Refuse a streamed epoch that would read the shard set more than MAX_READ_FACTOR times:
     streams that must read shard heads to drop them (a pipe, or remote shards without the
-    offset index) when there are not many more shards than streams (ssl_vit.data.stream_plan)."""
+    offset index) when there are not many more shards than streams (ssl_vit.data.stream_plan).
+    Returns the factor (1.0 for a split held in RAM or resampled epochs)."""
     from ssl_vit.data.holdout import excluded_indices  # imported late: numpy, torch
     from ssl_vit.data.memory import resolve_in_memory
     from ssl_vit.data.shards import select_shards
@@ -72,7 +88,7 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> None:
 
     d = cfg.data
     if d.resampled or resolve_in_memory(d.in_memory, manifest, d.split)[0]:
-        return
+        return 1.0
     shards = select_shards(manifest, d.split, d.missing_shards)  # type: ignore[arg-type]
     total = sum(r.num_samples for r in shards)
     exclusions = Exclusions(excluded_indices(total, cfg.holdout_share, d.train_fraction))
@@ -91,6 +107,7 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> None:
             f"re-shard with data_prep/make_shards.py --num-shards {20 * streams} (which also "
             "writes the index), or set data.resampled=true"
         )
+    return factor
 
 
 def check_model(cfg: Config, in_chans: int) -> None:

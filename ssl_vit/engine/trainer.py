@@ -133,7 +133,7 @@ def setup(cfg: Config, header: str = "") -> Run:
     rank, local_rank, world = init_distributed()
     _, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
-    manifest, _, _ = check_data(cfg, world)
+    manifest = check_data(cfg, world).manifest
 
     run_dir = Path(cfg.run.dir)
     saved = run_dir / "config.yaml"
