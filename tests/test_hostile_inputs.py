@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from servers import Drip, Html, Length, Mutate, NoRange, Redirect, Stall
 
 from ssl_vit.data.blocks import block_digests
@@ -310,3 +310,31 @@ def test_a_server_without_range_support_is_read_from_the_start(tiny_shards, serv
     want = [s["__index__"] for s in read_shard(local, ReadCounter(mp.get_context()), start=50)]
     assert got == want and len(got) == 128 - 50
     assert counter.bytes_read >= local.size  # the shard's head was read too
+
+
+def test_a_missing_or_resized_remote_shard_stops_the_start(tiny_shards, tmp_path, serve_http, s3):
+    """Each shard of a remote set is asked for once at start (a HEAD on a web server, a listing
+    on object storage): one missing or resized is named before training, not a minute in."""
+    from ssl_vit.config import ConfigError
+    from ssl_vit.engine.preflight import check_remote_shards
+
+    root = _copy(tiny_shards, tmp_path)
+    (root / "train-000002.tar").unlink()
+    with open(root / SHARD, "ab") as f:
+        f.write(b"\0" * 512)
+    server = serve_http(root)
+    bucket = "s3://shards/tiny"
+    s3.upload_folder(root, bucket)
+    for url in (server.url, bucket):
+        with pytest.raises(ConfigError, match=rf"{SHARD}: \d+ bytes, the manifest says"):
+            check_remote_shards(load_manifest(url), "train", "error")
+    (root / SHARD).write_bytes((tiny_shards / SHARD).read_bytes())
+    s3.upload_folder(root, bucket)
+    for url in (server.url, bucket):
+        manifest = load_manifest(url)
+        with pytest.raises(ConfigError, match=r"1 of 4 train shards missing \(train-000002\.tar\)"):
+            check_remote_shards(manifest, "train", "error")
+        check_remote_shards(manifest, "train", "skip")  # named in a warning, not an error
+    proc = run_cli(["pipelines/mpp_pretrain.py", "--check", f"data.root={server.url}",
+                    "train.global_batch=32", "model.img_size=16", "train.steps=2"])  # fmt: skip
+    assert proc.returncode == 2 and "train-000002.tar" in proc.stderr.strip().splitlines()[-1]

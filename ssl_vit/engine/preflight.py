@@ -6,11 +6,14 @@ answer in a moment, and so a run directory is never created for a run that canno
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 from ssl_vit.config import Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,13 +31,16 @@ class DataPlan:
         return self.total_steps / self.steps_per_epoch
 
 
-def check_data(cfg: Config, world: int) -> DataPlan:
-    """Validate the config against the shard set and the model it names."""
+def check_data(cfg: Config, world: int, probe_remote: bool = True) -> DataPlan:
+    """Validate the config against the shard set and the model it names. `probe_remote`: ask
+    a remote set for each shard once (check_remote_shards); one rank of a launch does."""
     local_batch(cfg, world)
     manifest = load_manifest(cfg.data.root)
     split = manifest.split(cfg.data.split)
     if cfg.data.missing_shards == "error":
         check_shards_exist(manifest, cfg.data.split)
+    if probe_remote:
+        check_remote_shards(manifest, cfg.data.split, cfg.data.missing_shards)
     if cfg.objective.kind != "mpp" and manifest.num_classes is None:
         raise ConfigError(
             f"objective.kind={cfg.objective.kind!r} needs labels, but {cfg.data.root} is "
@@ -68,6 +74,43 @@ def check_data(cfg: Config, world: int) -> DataPlan:
     check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
     return DataPlan(manifest, num_train, steps_per_epoch, total_steps, factor)
+
+
+def check_remote_shards(manifest: Manifest, split: str, missing: str) -> None:
+    """Every shard of a remote set asked for once at start (a listing for object storage, a
+    HEAD each on a web server): one missing, or of another size than the manifest says, stops
+    the start in one line naming it, rather than a minute or a day into training; with
+    data.missing_shards=skip the missing ones are named in one warning. A pipe cannot be asked."""
+    from ssl_vit.data.urls import join, reason, remote_sizes
+
+    root = str(manifest.root)
+    infos = {join(root, i.name): i for i in manifest.split(split).shards}
+    try:
+        sizes = remote_sizes(list(infos))
+    except Exception as e:  # a listing or HEAD that failed after its retries
+        raise ConfigError(
+            f"{root}: its {split} shards could not be listed ({reason(e)}); check the URL, the "
+            "server and the credentials"
+        ) from None
+    gone = sorted(u.rsplit("/", 1)[-1] for u, size in sizes.items() if size is None)
+    wrong = [(u, n) for u, n in sizes.items() if n is not None and n != infos[u].bytes]
+    if wrong and missing == "error":
+        url, n = wrong[0]
+        raise ConfigError(
+            f"{url}: {n} bytes, the manifest says {infos[url].bytes} ({len(wrong)} of "
+            f"{len(infos)} {split} shards differ); restore the set or re-create its manifest"
+        )
+    if not gone:
+        return
+    listed = ", ".join(gone[:3]) + (", ..." if len(gone) > 3 else "")
+    if missing == "error":
+        raise ConfigError(
+            f"{root}: {len(gone)} of {len(infos)} {split} shards missing ({listed}); restore "
+            "them, or set data.missing_shards=skip to train on without them"
+        )
+    log.warning(
+        "%s: %d of %d %s shards missing, skipped: %s", root, len(gone), len(infos), split, listed
+    )
 
 
 def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> float:

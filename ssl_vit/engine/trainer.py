@@ -33,7 +33,7 @@ import yaml
 
 from ssl_vit import startup
 from ssl_vit.config import Config, ConfigError, local_batch, save_config
-from ssl_vit.data.manifest import Manifest
+from ssl_vit.data.manifest import Manifest, ManifestError
 from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
 from ssl_vit.data.stream import TrainLoader, make_train_loader
 from ssl_vit.data.urls import Retry
@@ -41,7 +41,13 @@ from ssl_vit.data.workers import IN_TRAINING_START
 from ssl_vit.engine import checkpoint, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
 from ssl_vit.engine.compile import BlockCompile, resolve_compile
-from ssl_vit.engine.distributed import all_reduce_sum, barrier, device_for, init_distributed
+from ssl_vit.engine.distributed import (
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    device_for,
+    init_distributed,
+)
 from ssl_vit.engine.evaluate import InTrainingEvals
 from ssl_vit.engine.optim import (
     StepSchedule,
@@ -133,7 +139,15 @@ def setup(cfg: Config, header: str = "") -> Run:
     rank, local_rank, world = init_distributed()
     _, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
-    manifest = check_data(cfg, world).manifest
+    # A remote set's shards are asked for once, by rank 0; a rank that finds a problem stops
+    # every rank with its line.
+    try:
+        manifest, problem = check_data(cfg, world, probe_remote=rank == 0).manifest, None
+    except (ConfigError, ManifestError) as e:
+        manifest, problem = None, str(e)
+    problems = [p for p in all_gather_object(problem) if p]
+    if problems:
+        raise ConfigError(problems[0])
 
     run_dir = Path(cfg.run.dir)
     saved = run_dir / "config.yaml"
