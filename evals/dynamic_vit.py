@@ -14,6 +14,7 @@ OUT/accuracy_vs_gflops.png and logs both to MLflow.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ssl_vit import startup
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", required=True, help="shard set: a folder or URL holding manifest.json")
     p.add_argument("--out", required=True, help="folder for results.json and the plot")
     p.add_argument("--train-split", default="train", help="split whose held-out part chooses")
-    p.add_argument("--test-split", default="test", help="split reported on")
+    p.add_argument("--test-split", default=None, help="split reported on (default: test, else val)")
     p.add_argument(
         "--holdout-fraction",
         type=float,
@@ -39,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed-images", type=int, default=2048, help="test images timed")
     p.add_argument("--repeats", type=int, default=3, help="timed passes (median)")
     p.add_argument("--max-test", type=int, default=None, help="first N test images only")
-    p.add_argument("--workers", type=int, default=2, help="data loader workers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="data loader workers (default: the cores, at most 8)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     p.add_argument(

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.probe_batch_size or 4096,
             base_lr=args.mae_base_lr,
             seed=args.probe_seed,
+            device=args.device,
         )
         options = {"probe": "mae", "mae_base_lr": args.mae_base_lr}
     else:
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             epochs=args.epochs or 30,
             batch_size=args.probe_batch_size or 1024,
             seed=args.probe_seed,
+            device=args.device,
         )
         options = {"probe": args.solver, "l2_grid": args.l2, "val_fraction": args.val_fraction}
     report(args, "linear_probe", bb, metrics, options, time.perf_counter() - t0)

@@ -1,6 +1,7 @@
 """Linear probe on frozen features: separable data is separated, sweep picks from the grid."""
 
 import numpy as np
+import pytest
 import torch
 
 from ssl_vit.evaluation.linear_probe import linear_probe_eval, mae_probe_eval, topk_accuracies
@@ -51,3 +52,32 @@ def test_topk_accuracies_count_a_hit_within_the_first_k_only():
     ranks = torch.tensor([[6.0, 5, 4, 3, 2, 1]] * 4)
     labels = torch.tensor([0, 1, 4, 5])
     assert topk_accuracies(ranks, labels) == (0.25, 0.75)
+
+
+def test_the_loss_summed_over_chunks_is_the_full_batch_loss(monkeypatch):
+    """L-BFGS's loss and gradient taken over chunks of rows (so that the logits of a large set
+    never exist at once) fit the same head as one pass over every row."""
+    from ssl_vit.evaluation import linear_probe as lp
+
+    x, y = _separable(1000, 0, W)
+    x, y = torch.as_tensor(x), torch.as_tensor(y).long()
+    whole = lp.fit_lbfgs(x, y, 6, l2=1e-2, max_iter=50)
+    monkeypatch.setattr(lp, "CHUNK", 97)  # 11 chunks, the last one short
+    parts = lp.fit_lbfgs(x, y, 6, l2=1e-2, max_iter=50)
+    assert torch.allclose(whole.weight, parts.weight, atol=2e-3)  # float sums in another order
+    assert torch.allclose(whole.bias, parts.bias, atol=2e-3)
+
+
+def test_evaluations_report_on_test_else_val(tmp_path):
+    from ssl_vit.data.manifest import Manifest, ManifestError, SplitInfo
+    from ssl_vit.evaluation.cli import eval_split
+
+    def sets(*names: str) -> Manifest:
+        splits = {n: SplitInfo(0, []) for n in names}
+        return Manifest(splits, None, 1, None, [0.5], [0.25], root=str(tmp_path))
+
+    assert eval_split(sets("train", "val", "test"), None) == "test"
+    assert eval_split(sets("train", "val"), None) == "val"  # photos by class folder
+    assert eval_split(sets("train", "val"), "train") == "train"  # as asked
+    with pytest.raises(ManifestError, match="neither a test nor a val split"):
+        eval_split(sets("train"), None)

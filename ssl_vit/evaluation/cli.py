@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ssl_vit import startup
-from ssl_vit.data.manifest import ManifestError, load_manifest
+from ssl_vit.data.manifest import Manifest, ManifestError, load_manifest
 from ssl_vit.data.urls import normalise_root
 from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR, POOLS
 from ssl_vit.evaluation.report import format_table, log_to_mlflow, pretrain_run_id, write_results
@@ -47,7 +48,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         help="shard set: a folder or URL holding manifest.json (http(s), s3, gs, file, pipe:)",
     )
     p.add_argument("--train-split", default="train", help="gallery / fitting split")
-    p.add_argument("--test-split", default="test", help="evaluation split")
+    p.add_argument(
+        "--test-split",
+        default=None,
+        help="evaluation split (default: test, or val where the shard set has no test split)",
+    )
     p.add_argument(
         "--pool",
         choices=POOLS,
@@ -81,7 +86,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         help="random init: more build_backbone kwargs as JSON, e.g. '{\"depth\": 2}'",
     )
     p.add_argument("--batch-size", type=int, default=256, help="feature extraction batch")
-    p.add_argument("--workers", type=int, default=2, help="data loader workers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="data loader workers (default: the cores, at most 8)",
+    )
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="feature cache folder")
     p.add_argument("--no-cache", action="store_true", help="always recompute features")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -178,12 +188,27 @@ def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
     )
 
 
+def eval_split(manifest: Manifest, requested: str | None) -> str:
+    """The split evaluations report on: the one asked for, else test, else val (a set made
+    from photos by class folders has train and val only)."""
+    if requested:
+        return requested
+    for name in ("test", "val"):
+        if name in manifest.splits:
+            return name
+    raise ManifestError(
+        f"{manifest.root}: has neither a test nor a val split (it has {sorted(manifest.splits)}); "
+        "pass --test-split"
+    )
+
+
 def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureSet, FeatureSet]:
     import torch
 
     from ssl_vit.features import resolve_pool, split_features
 
     manifest = load_manifest(args.data)
+    args.test_split = eval_split(manifest, args.test_split)
     for split in (args.train_split, args.test_split):  # fail before any model or feature work
         manifest.split(split)
     bb = load_backbone_from_args(args)

@@ -26,6 +26,7 @@ from ssl_vit.data.manifest import load_manifest
 from ssl_vit.data.stream import make_eval_loader
 from ssl_vit.data.urls import normalise_root
 from ssl_vit.evaluation import dynamic
+from ssl_vit.evaluation.cli import eval_split
 from ssl_vit.evaluation.report import (
     format_table,
     log_to_mlflow,
@@ -120,6 +121,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     objective.to(device)
     cascade = objective.cascade
     manifest = load_manifest(args.data)
+    args.test_split = eval_split(manifest, args.test_split)
     manifest.split(args.train_split)
     manifest.split(args.test_split)
     size = cascade.sizes[-1]
