@@ -42,7 +42,8 @@ def features_per_second(device: torch.device, batch: int, reps: int) -> float:
     model = build_backbone("vit_base_patch16_224", img_size=224, in_chans=3).to(device).eval()
     x = torch.randn(batch, 3, 224, 224, device=device)
     times = []
-    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+    bf16 = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+    with torch.no_grad(), bf16:
         model(x[:2])  # warm-up
         for _ in range(reps):
             _sync(device)
