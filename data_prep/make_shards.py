@@ -120,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("source", type=Path, help="image folder, list file or IDX folder")
+    p.add_argument(
+        "source",
+        help="image folder, list file or IDX folder; an image folder may be a URL "
+        "(s3://bucket/photos, gs://..., or a web server's listing), read where it is",
+    )
     p.add_argument("out", type=Path, help="output folder for shards, manifest.json, errors.jsonl")
     g = p.add_argument_group("splits and order")
     g.add_argument("--val-fraction", type=_fraction, default=0.0, help="fraction to val (0)")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 from PIL import Image
 
 from ssl_vit.data.imaging import BadImage, ImageOptions, process_bytes, process_pixels
@@ -243,3 +244,25 @@ def test_pixels_png_and_stats():
     for v in (0, 255, 10, 20):
         expected[v] += 1
     assert enc.histogram == expected
+
+
+def test_make_shards_reads_a_folder_in_object_storage_where_it_is(tmp_path, s3, serve_http):
+    """An image folder in a bucket shards as the same folder on disk does (byte-identical
+    shards), with no copy first; a web server without a listing is refused in one line."""
+    from test_shard_index import corpus
+
+    src = corpus(tmp_path / "photos", 30)
+    s3.upload_folder(src, "s3://corpora/photos")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    for source, out in ((str(src), local), ("s3://corpora/photos", remote)):
+        proc = run_cli(["data_prep/make_shards.py", source, str(out), "--workers", "2",
+                        "--shard-size", "8"])  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    tars = sorted(p.name for p in local.glob("*.tar"))
+    assert tars and tars == sorted(p.name for p in remote.glob("*.tar"))
+    assert all((local / t).read_bytes() == (remote / t).read_bytes() for t in tars)
+    made = json.loads((remote / "manifest.json").read_text())["created_by"]
+    assert made["source"] == "s3://corpora/photos"
+    server = serve_http(src)  # serves files, but no listing a crawler could follow
+    proc = run_cli(["data_prep/make_shards.py", server.url, str(tmp_path / "web")])
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -12,8 +12,9 @@ from conftest import run_cli
 def test_check_reports_length_reads_stage_and_micro_batch(tiny_shards):
     proc = run_cli(["pipelines/mpp_pretrain.py", "--config", "configs/fmnist_vit_tiny_mpp.yaml",
                     f"data.root={tiny_shards}", "train.global_batch=64", "train.epochs=null",
-                    "train.steps=40", "train.zero_stage=2", "model.img_size=16", "model.patch_size=4",
-                    "data.num_workers=3", "--check", "--world-sizes", "1,4"])  # fmt: skip
+                    "train.steps=40", "train.zero_stage=2", "model.img_size=16",
+                    "model.patch_size=4", "data.num_workers=3", "--check",
+                    "--world-sizes", "1,4"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     # 512 training samples at 64 a step: 8 steps an epoch, so 40 steps are 5 epochs

@@ -49,7 +49,7 @@ from ssl_vit.data.shard_writer import (
     shutdown_io,
     verify_record,
 )
-from ssl_vit.data.sources import Listing, open_source
+from ssl_vit.data.sources import Listing, is_remote, open_source
 from ssl_vit.data.tar_reader import sample_offsets
 from ssl_vit.io import atomic_write_text
 
@@ -90,6 +90,15 @@ def _init_worker(opts: ImageOptions) -> None:
 
 
 def _read(path: str) -> bytes:
+    if is_remote(path):  # an image of a source at a URL, read where it is
+        from ssl_vit.data.urls import is_missing, read_bytes, reason
+
+        try:
+            return read_bytes(path)
+        except Exception as e:  # after the retries
+            if is_missing(e):
+                raise BadImage("file not found (deleted since the listing)") from None
+            raise BadImage(f"unreadable ({reason(e)})") from None
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -152,8 +161,9 @@ class Progress:
             self.bar.close()
 
 
-def fingerprint(source: Path, opts: ShardOptions) -> dict[str, Any]:
-    return {"source": str(source.resolve()), "options": opts.to_json()}
+def fingerprint(source: Path | str, opts: ShardOptions) -> dict[str, Any]:
+    where = str(source).rstrip("/") if is_remote(source) else str(Path(source).resolve())
+    return {"source": where, "options": opts.to_json()}
 
 
 def _check_output(out: Path, fp: dict[str, Any]) -> bool:
@@ -190,7 +200,7 @@ def _check_output(out: Path, fp: dict[str, Any]) -> bool:
     return False
 
 
-def prepare(source: Path, opts: ShardOptions) -> tuple[Listing, ShardOptions, list[Group]]:
+def prepare(source: Path | str, opts: ShardOptions) -> tuple[Listing, ShardOptions, list[Group]]:
     """Enumerate the source, resolve --mode auto (L for IDX, RGB otherwise) and plan."""
     listing = open_source(
         source,
@@ -205,7 +215,7 @@ def prepare(source: Path, opts: ShardOptions) -> tuple[Listing, ShardOptions, li
 
 
 def run_job(
-    source: Path,
+    source: Path | str,
     out: Path,
     opts: ShardOptions,
     *,
@@ -308,7 +318,7 @@ def _mean_std(stats: list[dict[str, Any]], channels: int) -> tuple[list[float], 
 
 
 def merge(
-    source: Path,
+    source: Path | str,
     out: Path,
     opts: ShardOptions,
     listing: Listing,

@@ -84,13 +84,17 @@ def open_source(
     class_names: list[str] | None = None,
     labels: bool = True,
 ) -> Listing:
-    """Detect the source kind and enumerate it (see make_shards.py --help for the layouts)."""
+    """Detect the source kind and enumerate it (see make_shards.py --help for the layouts). A
+    URL (s3://, gs://, http(s):// with a listing fsspec reads) is an image folder read where
+    it is: nothing is copied first."""
     src = Path(source)
-    if not src.exists():
+    if is_remote(source):
+        listing = _remote_image_folder(os.fspath(source))
+    elif not src.exists():
         raise SourceError(
             f"{src}: source not found; give an image folder, a list file or an IDX folder"
         )
-    if src.is_file():
+    elif src.is_file():
         if src.suffix.lower() not in LIST_EXTENSIONS:
             raise SourceError(
                 f"{src}: a file source must be a list file ({', '.join(LIST_EXTENSIONS)})"
@@ -104,13 +108,13 @@ def open_source(
         named = listing.class_names is not None and not listing.numeric_labels
         if named and len(class_names) != len(listing.class_names or []):
             raise SourceError(
-                f"{src}: --class-names gives {len(class_names)} names but the source has "
+                f"{source}: --class-names gives {len(class_names)} names but the source has "
                 f"{len(listing.class_names)} classes"
             )
         top = max((it.label for it in listing.items if it.label is not None), default=-1)
         if top >= len(class_names):
             raise SourceError(
-                f"{src}: label {top} is out of range for {len(class_names)} class names"
+                f"{source}: label {top} is out of range for {len(class_names)} class names"
             )
         listing.class_names = list(class_names)
     if not labels:
@@ -121,17 +125,73 @@ def open_source(
     return listing
 
 
+def is_remote(source: str | os.PathLike) -> bool:
+    """Whether a source is a URL read through fsspec rather than a local path."""
+    text = os.fspath(source)
+    return "://" in text and not text.startswith("file://")
+
+
+def _top_folders(rels: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
+    """The (top folder, split) groups of a folder's image paths: ImageNet-style train/val
+    folders keep their own split, anything else is one group (split by hash later)."""
+    subdirs = sorted({r.split("/", 1)[0] for r in rels if "/" in r})
+    split_layout = bool(subdirs) and all(d.lower() in SPLIT_FOLDERS for d in subdirs)
+    if split_layout:
+        return [(d, SPLIT_FOLDERS[d.lower()]) for d in subdirs], True
+    return [("", None)], False
+
+
 def _image_folder(root: Path, *, follow_symlinks: bool) -> Listing:
     root_real = root.resolve()
     errors: list[dict[str, str]] = []
     subdirs = sorted(e.name for e in os.scandir(root) if _is_dir(e) and not e.name.startswith("."))
     split_layout = bool(subdirs) and all(d.lower() in SPLIT_FOLDERS for d in subdirs)
     tops = [(d, SPLIT_FOLDERS[d.lower()]) for d in subdirs] if split_layout else [("", None)]
-    # Class folders are the sorted union of second-level folder names over every split.
-    groups: list[tuple[str, str | None, list[str]]] = []
-    for top, split in tops:
-        files = _walk(root, top, root_real, follow_symlinks, errors)
-        groups.append((top, split, files))
+    groups = [(top, split, _walk(root, top, root_real, follow_symlinks, errors))
+              for top, split in tops]  # fmt: skip
+    return _class_folders(groups, errors, lambda rel: str(root / rel))
+
+
+def _remote_image_folder(url: str) -> Listing:
+    """An image folder at a URL, listed once (fsspec's `find`: a paged listing on object
+    storage); its files are read by the shard workers from where they are."""
+    import fsspec
+
+    from ssl_vit.data.urls import Retry, reason
+
+    root = url.rstrip("/")
+    try:
+        fs, path = fsspec.core.url_to_fs(root)
+        found = Retry().call(lambda: fs.find(path), root)
+    except Exception as e:  # a bucket or server that cannot be listed, after the retries
+        raise SourceError(f"{root}: cannot be listed ({reason(e)}); check the URL and the "
+                          "credentials") from None  # fmt: skip
+    prefix = path.rstrip("/") + "/"
+    rels = sorted(
+        str(f)[len(prefix) :]
+        for f in found
+        if str(f).startswith(prefix)
+        and Path(str(f)).suffix.lower() in IMAGE_EXTENSIONS
+        and not any(part.startswith(".") for part in str(f)[len(prefix) :].split("/"))
+    )
+    if not rels:
+        raise SourceError(f"{root}: no image files found there; check the URL")
+    tops, split_layout = _top_folders(rels)
+    groups = [
+        (top, split, [r for r in rels if not split_layout or r.split("/", 1)[0] == top])
+        for top, split in tops
+    ]
+    return _class_folders(groups, [], lambda rel: f"{root}/{rel}")
+
+
+def _class_folders(
+    groups: list[tuple[str, str | None, list[str]]],
+    errors: list[dict[str, str]],
+    locate,
+) -> Listing:
+    """Items of an image folder's files (relative paths under each top folder): the classes
+    are the sorted union of second-level folder names over every split; `locate(rel)` is where
+    a file is read from."""
     class_set: set[str] = set()
     flat = True
     for top, _, files in groups:
@@ -152,7 +212,7 @@ def _image_folder(root: Path, *, follow_symlinks: bool) -> Listing:
                     errors.append(_err(rel, "file beside the class folders has no class; move it"))
                     continue
                 label = index[inner.split("/", 1)[0]]
-            items.append(Item(rel, label, str(root / rel), split=split))
+            items.append(Item(rel, label, locate(rel), split=split))
     return Listing("folder", items, errors, names, grayscale=False)
 
 
