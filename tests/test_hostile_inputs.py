@@ -338,3 +338,14 @@ def test_a_missing_or_resized_remote_shard_stops_the_start(tiny_shards, tmp_path
     proc = run_cli(["pipelines/mpp_pretrain.py", "--check", f"data.root={server.url}",
                     "train.global_batch=32", "model.img_size=16", "train.steps=2"])  # fmt: skip
     assert proc.returncode == 2 and "train-000002.tar" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_refused_connection_is_not_called_not_found():
+    from test_train_e2e import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/set"  # nothing listens there
+    with pytest.raises(ManifestError) as err:
+        load_manifest(url, Retry(attempts=1))
+    line = str(err.value)
+    assert "unreadable (" in line and "not found" not in line and "\n" not in line
+    assert line.isascii()

@@ -59,7 +59,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ssl_vit.data.urls import is_missing, join, local_path, normalise_root, read_bytes, reason
+from ssl_vit.data.urls import (
+    Retry,
+    is_missing,
+    join,
+    local_path,
+    normalise_root,
+    read_bytes,
+    reason,
+)
 from ssl_vit.io import atomic_write_text
 
 FORMAT = "ssl-vit-shards"
@@ -306,9 +314,10 @@ class _Checker:
         return splits
 
 
-def load_manifest(root: str | os.PathLike) -> Manifest:
+def load_manifest(root: str | os.PathLike, retry: Retry | None = None) -> Manifest:
     """Read and validate `root/manifest.json`: root is a folder or URL (ssl_vit.data.urls), or
-    the manifest file itself. Every byte of it is untrusted: whatever it holds, this returns a
+    the manifest file itself; `retry`: how a remote read is retried (None: Retry()). Every
+    byte of it is untrusted: whatever it holds, this returns a
     manifest whose values have the types and ranges the dataclasses above say, or raises a
     one-line ManifestError."""
     root = os.fspath(root)
@@ -317,7 +326,7 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
     root = normalise_root(root)
     path = join(root, MANIFEST_NAME)
     try:
-        data = read_bytes(path)
+        data = read_bytes(path, retry)
     except Exception as e:  # a server or bucket that cannot be reached, after the retries
         if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)) and (
             is_missing(e) or local_path(path) is not None
