@@ -78,6 +78,15 @@ QUICK = {
 }
 
 
+_T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    """A progress line on stderr with the time since start: full sizes on a CPU run for many
+    minutes, and a silent terminal looks like a hang."""
+    print(f"[gpu_check {time.perf_counter() - _T0:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -122,16 +131,20 @@ def section_step(p: dict, device: torch.device, quick: bool) -> list[dict]:
     peak, measured, why = mfu_peaks("bf16" if device.type == "cuda" else "fp32", device)
     rows = []
     for compiled in (False,) if quick else (False, True):
+        what = "compiled" if compiled else "eager"
+        say(f"step ({what}): warm-up{' and compilation' if compiled else ''}")
         step = Step(p, device, compiled)
         for _ in range(3):  # warm-up (and compilation)
             step(images, labels)
         _sync(device)
         times = []
-        for _ in range(p["steps"]):
+        for i in range(p["steps"]):
             t0 = time.perf_counter()
             step(images, labels)
             _sync(device)
             times.append(time.perf_counter() - t0)
+            if i % 5 == 4 or i + 1 == p["steps"]:
+                say(f"step ({what}): {i + 1}/{p['steps']} timed, {times[-1]:.2f} s each")
         t = statistics.median(times)
         rows.append(
             {
@@ -357,16 +370,20 @@ def main(argv: list[str] | None = None) -> int:
     shards = args.shards
     if shards is None and only & {"loader", "zero3"}:
         size = 256 if not args.quick else 48
+        say(f"making {p['jpegs']} photo-like JPEG shards at {size} px")
         shards = photo_like_jpeg_shards(args.work / f"jpegs{size}", p["jpegs"], size)
     rows: list[dict] = []
-    if "step" in only:
-        rows += section_step(p, device, args.quick)
-    if "loader" in only:
-        rows += section_loader(p, device, shards)
-    if "knn" in only:
-        rows += section_knn(p, device)
-    if "zero3" in only:
-        rows += section_zero3(p, shards, args.work)
+    sections = {
+        "step": lambda: section_step(p, device, args.quick),
+        "loader": lambda: section_loader(p, device, shards),
+        "knn": lambda: section_knn(p, device),
+        "zero3": lambda: section_zero3(p, shards, args.work),
+    }
+    for name, run in sections.items():
+        if name in only:
+            say(f"{name}: starting")
+            rows += run()
+            say(f"{name}: done")
     print(
         f"{describe_machine()}; {'quick' if args.quick else 'full'} sizes; "
         f"{time.perf_counter() - t0:.0f} s\n"

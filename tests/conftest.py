@@ -144,6 +144,51 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+# A watchdog beside each process group a test starts in its own session (servers, training
+# launches): when the test process dies without its teardown (SIGKILL, an OOM kill, a CI
+# timeout), the watchdog kills the group, so no server or rank outlives the run.
+_WATCHDOG = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+while alive(parent):
+    time.sleep(1)
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        sys.exit(0)  # the group ended first: nothing to do
+try:
+    os.killpg(group, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+def reap_with_this_process(proc: subprocess.Popen) -> subprocess.Popen:
+    """Kill `proc`'s process group (started with start_new_session=True) when this test
+    process dies, however it dies; returns proc."""
+    subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(proc.pid)],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return proc
+
+
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # pytest then runs every teardown
+
+
+signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+
+
 class MlflowServer:
     """A real `mlflow server` on 127.0.0.1 and a free port, killable and restartable there."""
 
@@ -161,8 +206,8 @@ class MlflowServer:
             "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1",
         ]  # fmt: skip
         log = open(self.root / "server.log", "a")  # noqa: SIM115 (the server's lifetime)
-        self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        self.proc = reap_with_this_process(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         )
         wait_until(
             lambda: urllib.request.urlopen(f"{self.uri}/health", timeout=1).status == 200,

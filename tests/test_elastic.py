@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, reap_with_this_process
 from test_train_e2e import free_port, overrides
 
 from ssl_vit.engine.checkpoint import CheckpointError, to_universal
@@ -41,10 +41,10 @@ def _kill_after(cmd: list[str], ckpt: Path, at: int, log: Path) -> int:
     the step of the checkpoint left to resume."""
     latest, deadline = ckpt / "latest", time.monotonic() + 300
     with open(log, "wb") as err:
-        proc = subprocess.Popen(
+        proc = reap_with_this_process(subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        ))  # fmt: skip
         while time.monotonic() < deadline and proc.poll() is None:
             if latest.is_file() and int(latest.read_text().strip()[4:]) >= at:
                 break

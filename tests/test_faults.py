@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, MlflowServer, run_cli
+from conftest import ROOT, MlflowServer, reap_with_this_process, run_cli
 from mlflow.tracking import MlflowClient
 from test_train_e2e import metric_steps, overrides
 
@@ -32,11 +32,11 @@ PIPE = "pipelines/mpp_pretrain.py"
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
     """Training in its own process group, so a kill takes its data workers too (a preemption)."""
-    return subprocess.Popen(
+    return reap_with_this_process(subprocess.Popen(
         [sys.executable, PIPE, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
         stderr=open(log, "ab"), start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def _kill(proc: subprocess.Popen) -> None:

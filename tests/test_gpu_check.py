@@ -26,3 +26,7 @@ def test_gpu_check_runs_every_section_on_the_cpu(tmp_path) -> None:
     zero3 = by[("zero3", "kill at step 10, resume to 20")]
     assert zero3["ok"] and zero3["metric_steps"] == list(range(2, 21, 2))
     assert "| section | what | figures |" in proc.stdout
+    # progress on the way, each section started and done, with the time since the start
+    for section in ("step", "loader", "knn", "zero3"):
+        assert f"] {section}: starting" in proc.stderr and f"] {section}: done" in proc.stderr
+    assert "step (eager): 3/3 timed" in proc.stderr or "timed," in proc.stderr
