@@ -47,7 +47,7 @@ def test_each_launch_is_numbered_and_keeps_the_config_it_replaced(tmp_path: Path
     run = tmp_path / "run"
     run.mkdir()
     first = launches.begin(run, _cfg(run), "# mpp_pretrain.py a=1")
-    assert first.number == 1 and first.changed == {} and first.logged_params(fresh=True) is None
+    assert first.number == 1 and first.changed == {} and first.logged_params(True, {}) is None
     first.finish({"world_size": 1}, step=0)
     second = launches.begin(run, _cfg(run, "optim.lr=1e-4", "train.steps=20"), "# again")
     assert second.number == 2
@@ -67,8 +67,9 @@ def test_each_launch_is_numbered_and_keeps_the_config_it_replaced(tmp_path: Path
     # launch 1 logged every param: a third launch logs none of those again
     third = launches.begin(run, _cfg(run, "optim.lr=1e-4", "train.steps=20"), "")
     assert third.number == 3 and third.changed == {}
-    logged = third.logged_params(fresh=False)
+    logged = third.logged_params(False, {"world_size": 2, "micro": 8})
     assert logged is not None and {"optim.lr", "derived.world_size"} <= logged
+    assert "derived.micro" not in logged  # new: this launch logs it
     assert "config as at launch 2" in third.summary()
 
 
@@ -78,7 +79,7 @@ def test_a_launch_that_never_reached_the_tracker_logs_no_params(tmp_path: Path) 
     run.mkdir()
     launches.begin(run, _cfg(run), "")
     second = launches.begin(run, _cfg(run, "optim.lr=1e-4"), "")
-    assert second.number == 2 and second.logged_params(fresh=True) is None
+    assert second.number == 2 and second.logged_params(True, {}) is None
 
 
 def test_a_run_directory_from_before_the_records_gets_its_first(tmp_path: Path) -> None:
@@ -89,5 +90,6 @@ def test_a_run_directory_from_before_the_records_gets_its_first(tmp_path: Path) 
     assert later.number == 2 and list(later.changed) == ["optim.lr"]
     first = yaml.safe_load((run / "launches" / "launch-1.yaml").read_text())
     assert first["launch"] == 1 and first["config"]["optim"]["lr"] == 0.0002
-    assert later.logged_params(fresh=True) is None  # its params may never have been logged
-    assert "optim.lr" in (later.logged_params(fresh=False) or set())  # it had a checkpoint
+    assert later.logged_params(True, {}) is None  # its params may never have been logged
+    logged = later.logged_params(False, {"world_size": 1})  # it had a checkpoint: they were
+    assert logged is not None and {"optim.lr", "derived.world_size"} <= logged

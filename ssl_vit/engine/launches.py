@@ -122,10 +122,11 @@ class Launch:
     def changed(self) -> dict[str, dict[str, Any]]:
         return self.record["changed"]
 
-    def logged_params(self, fresh: bool) -> set[str] | None:
+    def logged_params(self, fresh: bool, derived: Mapping[str, Any]) -> set[str] | None:
         """The param keys an earlier launch logged to the MLflow run; None when none did (this
         launch logs them all). A run directory from before these records logged its params at
-        its first launch, whose checkpoint a `fresh` launch would not have been without."""
+        its first launch, whose checkpoint a `fresh` launch would not have been without; its
+        `derived` keys, not on record, are taken to be this launch's."""
         done = [r for r in self.earlier if r.get("mlflow_params")]
         if not done and not fresh:
             done = self.earlier
@@ -133,7 +134,7 @@ class Launch:
             return None
         keys: set[str] = set()
         for r in done:
-            keys |= set(leaves({**r.get("config", {}), "derived": r.get("derived", {})}))
+            keys |= set(leaves({**r.get("config", {}), "derived": r.get("derived", derived)}))
         return keys
 
     def finish(self, derived: dict[str, Any], step: int) -> None:

@@ -107,7 +107,7 @@ def open_run_tracker(
         save_run_id(tracker, run_id_file)
         params = {**cfg.to_dict(), "derived": derived}
         if this_launch is not None:
-            logged = this_launch.logged_params(fresh)
+            logged = this_launch.logged_params(fresh, derived)
         else:
             logged = None if fresh else set(flatten(params))
         if logged is None:
