@@ -108,7 +108,8 @@ class ModelConfig:
     img_size: int = 28
     patch_size: int | None = 4  # None keeps the architecture's own
     in_chans: int | None = None  # None: from the shard manifest (1 gray, 3 RGB)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed on to timm.create_model
+    # passed on to timm.create_model; each key must be an argument of the arch's class
+    kwargs: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = None  # exported backbone / run dir to start from (fine-tuning);
     # its arch and kwargs win, position embeddings are resampled to img_size (sec. 3.2)
     drop_path_rate: float = 0.0  # stochastic depth while training (also with init_from); the
@@ -324,6 +325,23 @@ RANGES: dict[str, str] = {
 }
 
 
+# Constructor arguments of the backbone that model.kwargs must not carry: the run sets them from
+# its own keys (a model.kwargs value would win over those silently), or they have no place in a
+# backbone built for training. The other keys are checked against the constructor of the arch's
+# class once timm is loaded (engine.preflight.check_backbone).
+KWARGS_SET_ELSEWHERE: dict[str, str] = {
+    "img_size": "set model.img_size instead",
+    "patch_size": "set model.patch_size instead",
+    "in_chans": "set model.in_chans instead (or leave it to the shard manifest)",
+    "drop_path_rate": "set model.drop_path_rate instead",
+    "num_classes": "the backbone is built without a classifier (the objective adds its head); "
+    "drop it",
+    "pretrained": "weights come from model.init_from (an export); drop it",
+    "device": "the training engine places the model; drop it",
+    "dtype": "train.precision sets it; drop it",
+}
+
+
 def _hint(key: str) -> Any:
     """The type hint of `section.name` (a KeyError for a key the schema lacks: a stale row)."""
     section, name = key.split(".")
@@ -363,8 +381,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             "objective.mpp_weight and objective.supervised_weight are both 0: the joint loss "
             "would train nothing; give one a positive weight"
         )
-    if "drop_path_rate" in m.kwargs:
-        raise ConfigError("model.kwargs.drop_path_rate: set model.drop_path_rate instead")
+    for key, instead in KWARGS_SET_ELSEWHERE.items():
+        if key in m.kwargs:
+            raise ConfigError(f"model.kwargs.{key}: {instead}")
     if m.patch_size is not None and not m.init_from and m.img_size % m.patch_size:
         raise ConfigError(
             f"model.img_size={m.img_size} is not divisible by model.patch_size={m.patch_size}"

@@ -141,11 +141,31 @@ def check_range(key: str, value: Any, hint: Any, allowed: Range) -> None:
     raise ConfigError(f"{key}={shown!r}: {each} {what} {allowed.text}{hint_text}")
 
 
+def check_flow_keys(value: Any, key: str) -> None:
+    """Refuse the YAML flow-map trap in `value` (mappings at any depth, also inside lists):
+    `{depth:2}` lacks the space after the colon, so YAML reads one key "depth:2" with no value,
+    and a consumer that drops null keyword arguments (timm does) would silently train with its
+    defaults. A key holding ':' whose value is null is taken for that typo."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if v is None and isinstance(k, str) and ":" in k:
+                name, _, given = k.partition(":")
+                raise ConfigError(
+                    f"config key {key!r}: {k!r} reads as a key with no value; put a space after "
+                    f"the colon: {{{name.strip()}: {given.strip()}}}"
+                )
+            check_flow_keys(v, f"{key}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            check_flow_keys(v, key)
+
+
 def apply_mapping(section: Any, values: dict[str, Any], prefix: str = "") -> None:
     """Set `values` (nested like the dataclasses under `section`) on them, each type-checked."""
     hints = get_type_hints(type(section))
     for key, value in values.items():
         full = f"{prefix}{key}"
+        check_flow_keys(value, full)
         if key not in hints:
             known = ", ".join(f"{prefix}{k}" for k in hints)
             raise ConfigError(f"unknown config key {full!r}; known keys here: {known}")

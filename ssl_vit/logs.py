@@ -8,15 +8,33 @@ its own level and shows these lines again.
 
 Call `setup_logging` before the libraries are imported where possible: MLflow reads
 MLFLOW_LOGGING_LEVEL when it is imported, and loggers set here keep their level after.
+
+Each known line is silenced here, by the way it is written:
+- logged at INFO (MLflow, botocore's "Found credentials in environment variables.", ...): the
+  logger's level, QUIET_LEVELS;
+- logged by DeepSpeed at WARNING, a level that also carries its real warnings ("Setting
+  accelerator to CPU", "You are using ZeRO with an untested optimizer": ours are torch's own
+  AdamW and SGD): those messages only, `_DropChatter`;
+- a torch FutureWarning that DeepSpeed's ZeRO collectives raise on every run
+  ("`torch.distributed.all_gather_into_tensor` is deprecated"), which the user cannot act on:
+  a warnings filter for that message (left alone when the user set -W or PYTHONWARNINGS);
+- printed, not logged (DeepSpeed's "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built
+  successfully"): `quiet_prints`, around the call that prints it.
+Our own warnings and errors are never among them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import re
 import sys
+import warnings
+from collections.abc import Iterator
 
-__all__ = ["QUIET_LEVELS", "setup_logging", "wants_verbose"]
+__all__ = ["QUIET_LEVELS", "quiet_prints", "setup_logging", "wants_verbose"]
 
 # Library loggers and the level they get unless -v. Their INFO lines are start-up chatter.
 QUIET_LEVELS: dict[str, int] = {
@@ -29,8 +47,23 @@ QUIET_LEVELS: dict[str, int] = {
     "DeepSpeed": logging.WARNING,
     "deepspeed": logging.WARNING,
     "torch.distributed": logging.WARNING,
+    # S3 reads: "Found credentials in environment variables.", "Found endpoint for s3 via: ..."
+    "botocore": logging.WARNING,
+    "aiobotocore": logging.WARNING,
+    "boto3": logging.WARNING,
+    "s3fs": logging.WARNING,
 }
-_DEEPSPEED_CHATTER = ("Setting accelerator to CPU",)  # a WARNING DeepSpeed prints on every CPU run
+# WARNINGs DeepSpeed logs on every run: on every CPU run, and under any ZeRO stage with a torch
+# optimizer (it only vouches for its own fused ones)
+_DEEPSPEED_CHATTER = (
+    "Setting accelerator to CPU",
+    "**** You are using ZeRO with an untested optimizer",
+)
+# torch's FutureWarning for the collectives DeepSpeed's ZeRO stages call, once per collective
+_TORCH_FUTURE = r"`torch\.distributed\.\w+` is deprecated"
+# Lines libraries print to stdout while they start: DeepSpeed's CPU communication op, loaded
+_PRINTED = re.compile(r"DeepSpeed \S+ built successfully")
+_quiet = False  # setup_logging was called without -v: quiet_prints drops _PRINTED lines
 
 
 class _DropChatter(logging.Filter):
@@ -53,7 +86,9 @@ def setup_logging(
     datefmt: str | None = "%H:%M:%S",
 ) -> None:
     """Root logging at `level` (our progress lines); library chatter off unless `verbose`."""
+    global _quiet
     logging.basicConfig(level=level, format=fmt, datefmt=datefmt)
+    _quiet = not verbose
     if verbose:
         # -v wins over a quiet level inherited from a parent process (which may have set it
         # up quiet itself); a user's own quiet choice stays below, via setdefault
@@ -72,3 +107,23 @@ def setup_logging(
     ds = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _DropChatter) for f in ds.filters):
         ds.addFilter(_DropChatter())
+    if not sys.warnoptions:  # the user's own -W / PYTHONWARNINGS choice wins
+        warnings.filterwarnings("ignore", _TORCH_FUTURE, FutureWarning)
+
+
+@contextlib.contextmanager
+def quiet_prints() -> Iterator[None]:
+    """Inside, what is printed to stdout is held back and written out at the end without the
+    known start-up lines of the libraries (`_PRINTED`), after `setup_logging` without -v; left
+    alone otherwise (-v, or a program of the user's that never called `setup_logging`). For
+    short calls only: their output comes out when they return."""
+    if not _quiet:
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    finally:
+        lines = held.getvalue().splitlines(keepends=True)
+        sys.stdout.write("".join(ln for ln in lines if not _PRINTED.fullmatch(ln.strip())))

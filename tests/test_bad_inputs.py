@@ -133,7 +133,27 @@ ROWS = [
     ("unknown-model-name", [MPP, *PRE, "model.arch=vit_no_such_model"], 2,
      "model.arch='vit_no_such_model' is not a timm model"),
     ("model-kwargs-not-taken", [MPP, *PRE, "model.kwargs={{no_such_option: 1}}"], 2,
-     "does not build with model.kwargs={{'no_such_option': 1}}"),
+     "model.kwargs.no_such_option: vit_tiny_patch16_224 (timm VisionTransformer) takes no "
+     "'no_such_option'; it takes act_layer, attn_drop_rate,"),
+    # model.kwargs is checked key by key against the arch's class: timm drops a null-valued key
+    # and trained a full-size default model; a misspelt one ended in a TypeError traceback
+    ("model-kwargs-no-space-after-colon", [MPP, *PRE, "model.kwargs={{embed_dim:64,depth:2}}"],
+     2, "config key 'model.kwargs': 'embed_dim:64' reads as a key with no value; put a space "
+     "after the colon: {{embed_dim: 64}}"),
+    ("config-file-no-space-after-colon", [MPP, "--config", "{B}/nospace.yaml", *PRE], 2,
+     "config key 'train.deepspeed.zero_optimization': 'stage:2' reads as a key with no value"),
+    ("model-kwargs-misspelt", [MPP, *PRE, "model.kwargs={{dpeth: 2}}"], 2,
+     "model.kwargs.dpeth: vit_tiny_patch16_224 (timm VisionTransformer) takes no 'dpeth'; "
+     "did you mean 'depth'?"),
+    ("model-kwargs-misspelt-no-data", [MPP, *PRE, "--no-data", "model.kwargs={{dpeth: 2}}"], 2,
+     "model.kwargs.dpeth: vit_tiny_patch16_224 (timm VisionTransformer) takes no 'dpeth'; "
+     "did you mean 'depth'?"),
+    ("mixer-given-a-vit-kwarg", [MPP, *PRE, "model.arch=mixer_s16_224",
+                                 "model.kwargs={{embed_dim: 32, depth: 2}}"], 2,
+     "model.kwargs.depth: mixer_s16_224 (timm MlpMixer) takes no 'depth'; did you mean "
+     "'num_blocks'?"),
+    ("model-kwargs-sets-a-model-key", [MPP, *PRE, "model.kwargs={{img_size: 32}}"], 2,
+     "model.kwargs.img_size: set model.img_size instead"),
     ("supervised-with-mpp-kind", [SUP, *PRE, "objective.kind=mpp"], 2,
      "supervised_pretrain.py: objective.kind must be supervised or joint"),
     ("unknown-precision", [SUP, *PRE, "train.precision=fp8"], 2,
@@ -202,6 +222,7 @@ def bad(tmp_path_factory) -> Path:
     (b / "nopath.csv").write_text("file,label\na.png,1\n")
     (b / "bad.yaml").write_text("run:\n  dir: [unclosed\n")
     (b / "list.yaml").write_text("- train\n- model\n")
+    (b / "nospace.yaml").write_text("train:\n  deepspeed: {zero_optimization: {stage:2}}\n")
     (b / "corrupt").mkdir()
     (b / "corrupt" / "manifest.json").write_text('{"format": "ssl-vit-shards", "splits": {')
     (b / "v99").mkdir()
@@ -238,6 +259,9 @@ SLOW = {
     "finetune-uri-unknown-model",
     "unknown-model-name",
     "model-kwargs-not-taken",
+    "model-kwargs-misspelt",
+    "model-kwargs-misspelt-no-data",
+    "mixer-given-a-vit-kwarg",
     "finetune-backbone-missing",
     "inspect-backbone-without-export",
     "inspect-manifest-version",

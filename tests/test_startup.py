@@ -1,4 +1,5 @@
-"""ssl_vit.startup: the collector is paused only in an entry script's process, and resumed."""
+"""ssl_vit.startup: the collector is paused only in an entry script's process, and resumed;
+ssl_vit.logs: the libraries' start-up lines are left out unless -v."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+import pytest
+from conftest import ROOT, run_cli
 
 CHECK = """
 import gc, weakref
@@ -91,3 +93,89 @@ def test_mlflow_telemetry_is_off_unless_the_user_turns_it_on():
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.strip() == want, (opt_in, proc.stdout)
+
+
+# What ssl_vit.logs silences by default, one of each kind (printed, logged at INFO, a DeepSpeed
+# WARNING, a torch FutureWarning), beside lines of the same kinds it must leave alone.
+CHATTER_PROBE = """
+import logging, sys, warnings
+from ssl_vit.logs import quiet_prints, setup_logging
+
+setup_logging(sys.argv[1] == "-v")
+with quiet_prints():
+    print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+    print("a line of ours")
+warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Use ...", FutureWarning)
+warnings.warn("another FutureWarning", FutureWarning)
+ds = logging.getLogger("DeepSpeed")
+ds.warning("**** You are using ZeRO with an untested optimizer, proceed with caution *****")
+ds.warning("a real DeepSpeed warning")
+logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
+logging.getLogger("ssl_vit.train").warning("a warning of ours")
+"""
+CHATTER = (
+    "deepspeed_shm_comm_op built successfully",
+    "torch.distributed.all_gather_into_tensor",
+    "You are using ZeRO with an untested optimizer",
+    "Found credentials in environment variables",
+)
+KEPT = ("a line of ours", "another FutureWarning", "a real DeepSpeed warning", "a warning of ours")
+
+
+def test_known_library_lines_are_dropped_and_nothing_else():
+    """Each way a library line is silenced drops that line only: the same kind of line that is
+    not on the list (a print of ours, another FutureWarning, another DeepSpeed warning, our own
+    warning) still shows; with -v everything shows."""
+    for flag in ("", "-v"):
+        proc = subprocess.run([sys.executable, "-c", CHATTER_PROBE, flag], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout + proc.stderr
+        assert all(line in out for line in KEPT), (flag, out)
+        shown = [line for line in CHATTER if line in out]
+        assert shown == (list(CHATTER) if flag else []), (flag, out)
+
+
+def _chatter_here() -> dict[str, bool]:
+    """Each third-party start-up line a run used to print, and whether this machine prints it
+    at all (with -v) in a ZeRO-3 run reading its shards from S3."""
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    deprecated = hasattr(torch.distributed.all_gather_into_tensor, "__deprecated__")
+    return {
+        "deepspeed_shm_comm_op built successfully": cpu,  # DeepSpeed's CPU communication op
+        "Setting accelerator to CPU": cpu,
+        "You are using ZeRO with an untested optimizer": True,
+        "Found credentials in environment variables": True,  # botocore, S3 credentials
+        "FutureWarning: `torch.distributed.": deprecated,  # ZeRO's collectives
+    }
+
+
+@pytest.mark.slow
+def test_a_training_run_is_quiet_by_default_and_shows_all_with_v(
+    tiny_shards, s3, tmp_path, mlflow_db
+):
+    """A tiny ZeRO-3 training from S3 shards prints none of the libraries' known start-up
+    lines by default, and each of those this machine prints with -v."""
+    s3.upload_folder(tiny_shards, "s3://bucket/tiny")
+    common = [
+        "pipelines/mpp_pretrain.py", "data.root=s3://bucket/tiny",
+        f"tracking.uri=sqlite:///{mlflow_db}", "model.img_size=16", "model.patch_size=4",
+        "model.kwargs={depth: 1, embed_dim: 32, num_heads: 2}", "data.num_workers=1",
+        "train.global_batch=32", "train.epochs=null", "train.steps=2", "train.precision=fp32",
+        "train.zero_stage=3", "run.log_every=2",
+    ]  # fmt: skip
+    known = _chatter_here()
+    for verbose in (False, True):
+        run_dir = tmp_path / ("loud" if verbose else "quiet")
+        proc = run_cli([*common, f"run.dir={run_dir}", *(["-v"] if verbose else [])])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = proc.stdout + proc.stderr
+        assert "ssl_vit.train done: 2 steps" in out  # our own lines stay
+        if verbose:
+            missing = [line for line, here in known.items() if here and line not in out]
+            assert not missing, (missing, out[-4000:])
+        else:
+            shown = [line for line in known if line in out]
+            assert not shown, (shown, out[-4000:])

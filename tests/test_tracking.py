@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import MlflowServer, wait_until
 from mlflow.tracking import MlflowClient
 
@@ -336,3 +337,50 @@ def test_a_lost_run_id_is_found_again_by_the_run_key(
     assert (run_dir / "mlflow_run_id").read_text().strip() == first
     client = MlflowClient(up)
     assert len(client.search_runs([client.get_experiment_by_name("one-run").experiment_id])) == 1
+
+
+def test_a_launch_that_changed_the_config_with_the_store_down_reaches_the_run(
+    tmp_path: Path, mlflow_db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up, down with optim.lr lowered, up: the run keeps launch 1's params (MLflow's are
+    immutable) and nothing is refused, but the change made while the store was down is on the
+    run: launch 2's tag and file, synced by launch 3; params new at launch 2 are logged."""
+    from ssl_vit.config import load_config
+    from ssl_vit.engine import launches
+    from ssl_vit.engine.run_tracker import open_run_tracker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    down, up, run_dir = MlflowServer(tmp_path).uri, f"sqlite:///{mlflow_db}", tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ds_config.json").write_text("{}\n")
+    base = ["train.steps=12", f"run.dir={run_dir}", "tracking.experiment=one-run"]
+    for n, uri, extra in (
+        (1, up, ["optim.lr=2e-4"]),
+        (2, down, ["optim.lr=1e-4", "train.deepspeed={wall_clock_breakdown: false}"]),
+        (3, up, ["optim.lr=1e-4", "train.deepspeed={wall_clock_breakdown: false}"]),
+    ):
+        cfg = load_config(None, [*base, f"tracking.uri={uri}", *extra])
+        this = launches.begin(run_dir, cfg, f"# launch {n}")
+        tracker = open_run_tracker(
+            cfg, run_dir, 0, True, {"world_size": 1}, None, this_launch=this, step=4 * (n - 1)
+        )  # `fresh`: no launch had a checkpoint, so only the records say what was logged
+        tracker.close(timeout=5)
+        assert tracker.flushed == (uri == up)
+    client = MlflowClient(up)
+    (run,) = client.search_runs([client.get_experiment_by_name("one-run").experiment_id])
+    params, tags = run.data.params, run.data.tags
+    assert params["optim.lr"] == "0.0002"  # launch 1's, never overwritten or refused
+    assert params["train.deepspeed.wall_clock_breakdown"] == "False"  # new at launch 2
+    assert tags["ssl_vit.launch.2.changed"].startswith("optim.lr: 0.0002 -> 0.0001; "), tags
+    assert "tracking.uri: sqlite:///" in tags["ssl_vit.launch.2.changed"]
+    assert "optim.lr" not in tags["ssl_vit.launch.3.changed"]  # only the store came back
+    assert "ssl_vit.launch.1.changed" not in tags and tags["ssl_vit.launches"] == "3"
+    files = {a.path for a in client.list_artifacts(run.info.run_id, "launches")}
+    assert files == {f"launches/launch-{n}.yaml" for n in (1, 2, 3)}
+    got = client.download_artifacts(run.info.run_id, "launches/launch-2.yaml", str(tmp_path))
+    record = yaml.safe_load(Path(got).read_text())
+    assert record["launch"] == 2 and record["step"] == 4
+    assert record["changed"]["optim.lr"] == {"old": 0.0002, "new": 0.0001}
+    assert not (run_dir / "mlflow_spool" / "rejected.jsonl").exists()  # no param was refused
+    assert not _records(run_dir)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT, run_cli
 from mlflow.tracking import MlflowClient
 
@@ -103,6 +104,48 @@ def test_pretrain_exports_tracks_and_resumes(tiny_shards, tmp_path, mlflow_db):
     assert sorted(m.step for m in history) == [2, 4, 6, 8, 10, 12]
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.yaml", "ds_config.json", "export", "loss_curve.png"} <= artifacts
+
+
+def test_a_relaunch_that_changes_the_config_is_on_the_run(tiny_shards, tmp_path, mlflow_db):
+    """MLflow's params never change: a second launch with a lower optim.lr keeps launch 1's
+    params, and the change is on the same run (tag, artifact, log line), not dropped."""
+    run_dir, db = tmp_path / "run", mlflow_db
+    args = overrides(tiny_shards, run_dir, db, "train.steps=4")
+    first = run_cli(["pipelines/mpp_pretrain.py", *args])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "launch 1" not in first.stderr  # nothing to say of a first launch
+    new_key = "train.deepspeed={wall_clock_breakdown: false}"  # a param launch 1 did not have
+    args = [*args, "train.steps=6", "optim.lr=1e-3", new_key]
+    second = run_cli(["pipelines/mpp_pretrain.py", *args])
+    assert second.returncode == 0, second.stderr[-3000:]
+    line = next(ln for ln in second.stderr.splitlines() if "launch 2 of" in ln)
+    assert f"launch 2 of {run_dir} (from step 4) changes optim.lr: 0.002 -> 0.001; " in line
+    assert "tag ssl_vit.launch.2.changed and artifact launches/launch-2.yaml" in line
+    assert "MLflow refused" not in second.stderr
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("ssl-vit").experiment_id])
+    rid = run.info.run_id
+    assert (run_dir / "mlflow_run_id").read_text().strip() == rid
+    assert run.data.params["optim.lr"] == "0.002" and run.data.params["train.steps"] == "4"
+    assert run.data.params["train.deepspeed.wall_clock_breakdown"] == "False"
+    changed = run.data.tags["ssl_vit.launch.2.changed"]
+    assert changed.startswith("optim.lr: 0.002 -> 0.001; train.steps: 4 -> 6; "), changed
+    assert run.data.tags["ssl_vit.launches"] == "2"
+    files = {a.path for a in client.list_artifacts(rid, "launches")}
+    assert files == {"launches/launch-1.yaml", "launches/launch-2.yaml"}
+    record = yaml.safe_load(
+        Path(client.download_artifacts(rid, "launches/launch-2.yaml", str(tmp_path))).read_text()
+    )
+    assert record["launch"] == 2 and record["step"] == 4
+    assert record["changed"]["optim.lr"] == {"old": 0.002, "new": 0.001}
+    # config.yaml (here and in MLflow) is the current launch's; launch 1's is kept beside it
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text().split("\n", 1)[1])
+    assert saved["optim"]["lr"] == 0.001
+    kept = yaml.safe_load((run_dir / "launches" / "launch-1.yaml").read_text())
+    assert kept["config"]["optim"]["lr"] == 0.002
+    logged = client.download_artifacts(rid, "config.yaml", str(tmp_path / "mlflow"))
+    assert yaml.safe_load(Path(logged).read_text())["optim"]["lr"] == 0.001
 
 
 def test_two_ranks_match_one_rank_with_twice_the_batch(tmp_path):

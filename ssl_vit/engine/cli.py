@@ -10,7 +10,7 @@ import sys
 
 from ssl_vit.config import FINETUNE_KINDS, ConfigError, load_config, validate
 from ssl_vit.data.manifest import ManifestError
-from ssl_vit.engine.preflight import check_data
+from ssl_vit.engine.preflight import check_backbone, check_data
 from ssl_vit.logs import setup_logging
 
 EPILOG = """\
@@ -144,6 +144,8 @@ def _check(cfg, args, world: int) -> int:
     # itself when the data is checked).
     from ssl_vit.engine.memory import describe, estimate
 
+    if args.no_data and not cfg.model.init_from:  # as check_data does: one line, not a traceback
+        check_backbone(cfg, in_chans)
     precision = "fp32" if cfg.train.precision == "fp32" else "bf16"  # on a GPU
     for n in sizes:
         if n in plans:

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ssl_vit.logs import quiet_prints
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -33,7 +35,8 @@ def init_distributed() -> tuple[int, int, int]:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_init_required=True, verbose=False)
+        with quiet_prints():  # on a CPU it prints that its communication op was built
+            deepspeed.init_distributed(dist_init_required=True, verbose=False)
         _unlink_shm_workspace()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():

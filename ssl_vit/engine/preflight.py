@@ -6,11 +6,12 @@ answer in a moment, and so a run directory is never created for a run that canno
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 from dataclasses import dataclass
 
-from ssl_vit.config import Config, ConfigError, local_batch
+from ssl_vit.config import KWARGS_SET_ELSEWHERE, Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,20 @@ def check_model(cfg: Config, in_chans: int) -> None:
                 "export the run again or point at another one"
             )
         return
+    check_backbone(cfg, in_chans)
+
+
+# One family's name for an option that the other family calls otherwise (too far apart for
+# difflib): ViT blocks are `depth`, MLP-Mixer blocks `num_blocks`.
+_ACROSS_FAMILIES = {"depth": "num_blocks", "num_blocks": "depth"}
+
+
+def check_backbone(cfg: Config, in_chans: int) -> None:
+    """`model.arch` is a timm model whose class takes every key of `model.kwargs`, and it builds
+    with them (on the meta device: no memory, no weights). timm would pass a key it does not
+    know on to the class (a TypeError deep in timm) or, if its value is null, drop it silently
+    and build the architecture's default size, so every key is checked first, by name."""
+    m = cfg.model
     import timm
 
     if not timm.is_model(m.arch):
@@ -180,7 +195,20 @@ def check_model(cfg: Config, in_chans: int) -> None:
     import torch
 
     from ssl_vit.models import build_backbone
+    from ssl_vit.models.backbones import constructor_kwargs
 
+    cls, taken = constructor_kwargs(m.arch)
+    if taken is not None:
+        allowed = sorted(taken - set(KWARGS_SET_ELSEWHERE))  # the rest are refused by validate
+        for key in m.kwargs:
+            if key in taken:
+                continue
+            what = f"model.kwargs.{key}: {m.arch} (timm {cls}) takes no {key!r}"
+            other = _ACROSS_FAMILIES.get(key)
+            close = [other] if other in allowed else difflib.get_close_matches(key, allowed, n=1)
+            if close:
+                raise ConfigError(f"{what}; did you mean {close[0]!r}?")
+            raise ConfigError(f"{what}; it takes {', '.join(allowed)}")
     try:
         with torch.device("meta"):
             build_backbone(m.arch, **m.backbone_kwargs(in_chans))

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from ssl_vit.config import Config
+from ssl_vit.engine import launches
+from ssl_vit.engine.launches import Launch
 from ssl_vit.io import atomic_write_text
 from ssl_vit.registry import register_export
-from ssl_vit.tracking import PARENT_TAG, Tracker
+from ssl_vit.tracking import PARENT_TAG, Tracker, flatten
 
 log = logging.getLogger("ssl_vit.train")
 HEADLINE = ("loss", "acc", "top1")  # metric keys holding these words become version tags
@@ -76,8 +78,18 @@ def register_run(tracker: Tracker, name: str, run_dir: Path) -> None:
 
 
 def open_run_tracker(
-    cfg: Config, run_dir: Path, rank: int, fresh: bool, derived: dict, source_run_id: str | None
+    cfg: Config,
+    run_dir: Path,
+    rank: int,
+    fresh: bool,
+    derived: dict,
+    source_run_id: str | None,
+    this_launch: Launch | None = None,
+    step: int = 0,
 ) -> Tracker:
+    """The run's Tracker; on rank 0 with the params logged once (the first launch to get here;
+    later launches log only keys that are new) and this launch on record (ssl_vit.engine.
+    launches: its changes as a tag, its file as an artifact, a log line)."""
     run_id_file = run_dir / "mlflow_run_id"
     tracker = Tracker(
         enabled=rank == 0,
@@ -93,13 +105,39 @@ def open_run_tracker(
     )
     if rank == 0:
         save_run_id(tracker, run_id_file)
-        if fresh:
-            tracker.log_params({**cfg.to_dict(), "derived": derived})
+        params = {**cfg.to_dict(), "derived": derived}
+        if this_launch is not None:
+            logged = this_launch.logged_params(fresh, derived)
+        else:
+            logged = None if fresh else set(flatten(params))
+        if logged is None:
+            tracker.log_params(params)
             if cfg.model.init_from:  # lineage: what this run started from
                 lineage = {"ssl_vit.init_from": cfg.model.init_from}
                 if source_run_id:
                     lineage["pretrain_run_id"] = source_run_id
                 tracker.set_tags(lineage)
-            tracker.log_artifact(run_dir / "config.yaml")
-            tracker.log_artifact(run_dir / "ds_config.json")
+        else:  # MLflow refuses a changed value: those are in the launch's tag and artifact
+            new = {k: v for k, v in flatten(params).items() if k not in logged}
+            if new:
+                tracker.log_params(new)
+        tracker.log_artifact(run_dir / "config.yaml")  # this launch's: the earlier are in launches
+        tracker.log_artifact(run_dir / "ds_config.json")
+        if this_launch is not None:
+            record_launch(tracker, this_launch, derived, step)
     return tracker
+
+
+def record_launch(tracker: Tracker, this_launch: Launch, derived: dict, step: int) -> None:
+    """RUN/launches/ as artifacts (this launch's file, and any earlier one that never reached
+    the run: a launch that failed before its tracker opened), its changes as a tag, the launch
+    count as a tag, and a log line from the second launch on."""
+    this_launch.finish(derived, step)
+    tracker.log_artifact(this_launch.path.parent, artifact_path=launches.FOLDER)
+    tags = {launches.COUNT_TAG: this_launch.number}
+    if this_launch.changed:
+        tag = launches.TAG.format(n=this_launch.number)
+        tags[tag] = launches.describe(this_launch.changed, this_launch.artifact)
+    tracker.set_tags(tags)
+    if this_launch.number > 1:
+        log.info("%s", this_launch.summary())

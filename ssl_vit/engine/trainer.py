@@ -32,13 +32,13 @@ import torch
 import yaml
 
 from ssl_vit import startup
-from ssl_vit.config import Config, ConfigError, local_batch, save_config
+from ssl_vit.config import Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, ManifestError
 from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
 from ssl_vit.data.stream import TrainLoader, make_train_loader
 from ssl_vit.data.urls import Retry
 from ssl_vit.data.workers import IN_TRAINING_START
-from ssl_vit.engine import checkpoint, zero
+from ssl_vit.engine import checkpoint, launches, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
 from ssl_vit.engine.compile import BlockCompile, resolve_compile
 from ssl_vit.engine.distributed import (
@@ -159,9 +159,10 @@ def setup(cfg: Config, header: str = "") -> Run:
                     f"{saved}: this run directory holds a run with a different {section} "
                     "config; use another run.dir (or delete this one) to start a new run"
                 )
+    this_launch = None  # on record in RUN/launches/, with what it changed (rank 0)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, saved, header)
+        this_launch = launches.begin(run_dir, cfg, header)  # writes config.yaml too
     barrier()
     checkpoint.check_shared(run_dir, rank)
     checkpoint.latest_tag(run_dir / "checkpoints")  # a broken pointer fails now, before setup
@@ -254,7 +255,14 @@ def setup(cfg: Config, header: str = "") -> Run:
     schedule.set(count.step)
     compiler.start_trial(count.step, total_steps, rank)
     tracker = open_run_tracker(
-        cfg, run_dir, rank, fresh=count.step == 0, derived=launch, source_run_id=spec.source_run_id
+        cfg,
+        run_dir,
+        rank,
+        fresh=count.step == 0,
+        derived=launch,
+        source_run_id=spec.source_run_id,
+        this_launch=this_launch,
+        step=count.step,
     )
     evals = InTrainingEvals(
         cfg,

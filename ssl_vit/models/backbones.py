@@ -13,6 +13,7 @@ Examples (28x28 grayscale Fashion-MNIST):
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import timm
@@ -24,6 +25,7 @@ from torch import nn
 
 __all__ = [
     "build_backbone",
+    "constructor_kwargs",
     "TokenGeometry",
     "token_geometry",
     "backbone_kind",
@@ -54,6 +56,22 @@ def _mixer_with_patch_size(
     return MlpMixer(
         num_classes=0, img_size=img_size, in_chans=in_chans, patch_size=patch_size, **args
     )
+
+
+def constructor_kwargs(arch: str) -> tuple[str, frozenset[str] | None]:
+    """(the name of the class timm builds for `arch`, the keyword arguments its constructor
+    takes; None when it takes any). timm's entry points pass their keyword arguments on to that
+    class, and `timm.create_model` drops those whose value is None, so this is the list a
+    `**timm_kwargs` key must be in to have any effect. The class is found by building the
+    architecture on the meta device (no memory, no weights; a fraction of a second)."""
+    with torch.device("meta"):
+        cls = type(timm.create_model(arch, pretrained=False, num_classes=0))
+    params = inspect.signature(cls.__init__).parameters.values()
+    kind = inspect.Parameter
+    if any(p.kind is kind.VAR_KEYWORD for p in params):
+        return cls.__name__, None
+    named = (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)
+    return cls.__name__, frozenset(p.name for p in params if p.kind in named and p.name != "self")
 
 
 def build_backbone(
