@@ -54,21 +54,24 @@ def features_per_second(device: torch.device, batch: int, reps: int) -> float:
     return batch / statistics.median(times)
 
 
-def closure_seconds(x: torch.Tensor, y: torch.Tensor, classes: int, chunked: bool, reps: int):
+def closure_seconds(x: torch.Tensor, y: torch.Tensor, classes: int, reps: int):
+    """Median seconds of one closure (loss and gradient over every row) in CHUNK-row parts and
+    in one pass, the two timed in turn so that other work on the machine slows both alike."""
     head = torch.nn.Linear(x.shape[1], classes, device=x.device)
-    times = []
+    times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(reps):
-        head.zero_grad()
-        _sync(x.device)
-        t0 = time.perf_counter()
-        if chunked:
-            for xc, yc in zip(x.split(lp.CHUNK), y.split(lp.CHUNK), strict=True):
-                (F.cross_entropy(head(xc), yc, reduction="sum") / len(x)).backward()
-        else:
-            F.cross_entropy(head(x), y).backward()
-        _sync(x.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for chunked in (True, False):
+            head.zero_grad()
+            _sync(x.device)
+            t0 = time.perf_counter()
+            if chunked:
+                for xc, yc in zip(x.split(lp.CHUNK), y.split(lp.CHUNK), strict=True):
+                    (F.cross_entropy(head(xc), yc, reduction="sum") / len(x)).backward()
+            else:
+                F.cross_entropy(head(x), y).backward()
+            _sync(x.device)
+            times[chunked].append(time.perf_counter() - t0)
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 def main() -> int:
@@ -91,8 +94,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(a.rows, a.dim, generator=g).to(device)
     y = torch.randint(0, a.classes, (a.rows,), generator=g).to(device)
-    chunked = closure_seconds(x, y, a.classes, True, a.reps)
-    whole = closure_seconds(x, y, a.classes, False, a.reps)
+    chunked, whole = closure_seconds(x, y, a.classes, a.reps)
     print(
         f"probe closure at {a.rows} x {a.dim}, {a.classes} classes: {chunked:.3f} s in chunks of "
         f"{lp.CHUNK} rows, {whole:.3f} s in one pass (ratio {chunked / whole:.2f}x; the one pass "
