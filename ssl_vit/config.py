@@ -35,6 +35,9 @@ from ssl_vit.recipe import MPP, TARGETS
 # in ssl_vit.objectives refuses to load unless its kinds are exactly these.
 OBJECTIVE_KINDS = ("mpp", "supervised", "joint", "finetune", "cascade")
 FINETUNE_KINDS = ("finetune", "cascade")  # objectives evals/finetune.py trains
+# What run.stop_signals may name: what schedulers and launchers send to stop a job
+# (ssl_vit/data/workers.py keeps loader workers deaf to all of them)
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
 
 @dataclass
@@ -54,6 +57,11 @@ class RunConfig:
     # the shard set has one, else nothing is chosen. Never "test": test data chooses nothing.
     eval_split: str | None = None
     report_split: str | None = "test"  # also scored at each eval, only reported
+    # Signals that stop training at a step boundary on every rank, with a checkpoint there, the
+    # MLflow run KILLED and exit code 124; the same command goes on from there. SLURM sends
+    # SIGTERM at preemption and at the time limit, and the signal `--signal` asks for ahead of
+    # it. Any of SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2; [] for none.
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
 
 @dataclass
@@ -223,9 +231,10 @@ class Config:
 def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config dict, as YAML reads it back, less the keys that change how a run executes but
     not what it trains (tracking, train.compile, data.in_memory: the same augmentation
-    distribution, fed another way): what two runs must share for one's result to stand for the
-    other's (a sweep's finished values, a rerun's cached results). A key the config has gained since
-    `cfg` was written counts at its default, the value every run before it trained with."""
+    distribution, fed another way; run.stop_signals): what two runs must share for one's result
+    to stand for the other's (a sweep's finished values, a rerun's cached results). A key the
+    config has gained since `cfg` was written counts at its default, the value every run before
+    it trained with."""
     out = yaml.safe_load(yaml.safe_dump(cfg))
     for section, defaults in Config().to_dict().items():
         if isinstance(out.get(section), dict):
@@ -233,6 +242,7 @@ def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     out.pop("tracking", None)
     out.get("train", {}).pop("compile", None)
     out.get("data", {}).pop("in_memory", None)
+    out.get("run", {}).pop("stop_signals", None)
     return out
 
 
@@ -371,6 +381,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     if o.kind == "cascade":
         _check_cascade_sizes(o.cascade_sizes, m.img_size)
+    _check_stop_signals(cfg.run.stop_signals)
     if o.mask_prob + o.random_prob > 1:
         raise ConfigError(
             f"objective.mask_prob={o.mask_prob} + objective.random_prob={o.random_prob} exceeds "
@@ -409,6 +420,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     if world_size is not None:
         local_batch(cfg, world_size)
+
+
+def _check_stop_signals(names: Any) -> None:
+    ok = isinstance(names, (list, tuple)) and all(n in STOP_SIGNALS for n in names)
+    if not ok or len(set(names)) != len(names):
+        raise ConfigError(
+            f"run.stop_signals={names!r}: give distinct names among {', '.join(STOP_SIGNALS)}, "
+            "e.g. [SIGTERM, SIGUSR1], or [] for none"
+        )
 
 
 def _check_cascade_sizes(sizes: Any, img_size: int) -> None:

@@ -38,6 +38,7 @@ LONGEST_FIRST = (
     "test_faults",  # 356 s
     "test_dynamic_vit",  # 289 s
     "test_mlflow_native",  # 237 s
+    "test_preemption",  # ~150 s (3 two-rank launches, each stopped by a signal)
     "test_remote_shards",  # ~130 s (2 trainings, a 2-rank launch, S3 and HTTP servers)
     "test_elastic",  # ~60 s
     "test_checkpoint_failover",  # ~80 s (real launches: damaged, deleted, full-disk checkpoints)

@@ -23,7 +23,15 @@ from typing import Any, get_type_hints
 import pytest
 from conftest import run_cli
 
-from ssl_vit.config import CHOICES, RANGES, Config, ConfigError, load_config, validate
+from ssl_vit.config import (
+    CHOICES,
+    RANGES,
+    Config,
+    ConfigError,
+    load_config,
+    training_settings,
+    validate,
+)
 from ssl_vit.config_values import Range
 
 MAKE = "data_prep/make_shards.py"
@@ -420,3 +428,30 @@ def test_values_at_the_edges_of_their_ranges_pass():
                        "optim.layer_decay=1", "objective.bits=8", "run.seed=4294967295",
                        "objective.kind=joint", "objective.mpp_weight=0", "monitor.k=5000",
                        "optim.warmup_steps=0", "run.eval_every=0"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        # SIGKILL cannot be handled; the others would fail only after the set-up
+        ("[SIGKILL]", "give distinct names among SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2"),
+        ("[sigterm]", "give distinct names among"),
+        ("[SIGTERM, SIGTERM]", "give distinct names among"),
+        ("[15]", "is not a valid list of str"),
+        ("SIGTERM", "is not a valid list of str"),
+    ],
+)
+def test_stop_signals_must_be_distinct_names_a_scheduler_sends(value, message):
+    with pytest.raises(ConfigError, match=r"run\.stop_signals") as e:
+        load_config(None, ["train.steps=10", f"run.stop_signals={value}"])
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_stop_signals_take_any_of_the_names_or_none():
+    default = load_config(None, ["train.steps=10"])
+    assert default.run.stop_signals == ["SIGTERM", "SIGUSR1"]
+    load_config(None, ["train.steps=10", "run.stop_signals=[SIGUSR2, SIGHUP, SIGINT]"])
+    none = load_config(None, ["train.steps=10", "run.stop_signals=[]"])
+    assert none.run.stop_signals == []
+    # how a run may be stopped is not what it trains: a sweep keeps a value trained either way
+    assert training_settings(none.to_dict()) == training_settings(default.to_dict())

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,7 +141,10 @@ def test_slurm_node_script_on_two_nodes_trains_one_run(tiny_shards, tmp_path, ml
 ECHO_ARGS = """#!/bin/sh
 # stands in for {what}: records its arguments and the environment it was given
 {{ for a in "$@"; do printf '%s\\n' "$a"; done
-  echo "ENV OMP_NUM_THREADS=$OMP_NUM_THREADS PYTHON=$PYTHON NCCL_DEBUG=$NCCL_DEBUG"
+  ignored=$(sed -n 's/^SigIgn:[[:space:]]*//p' /proc/$$/status)  # a mask, bit 9 for SIGUSR1
+  echo "ENV OMP_NUM_THREADS=$OMP_NUM_THREADS PYTHON=$PYTHON" \\
+    "USR1_IGNORED=$(((0x$ignored >> 9) & 1)) SIGNALS=$PET_SIGNALS_TO_HANDLE" \\
+    "STOP_TIMEOUT=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT NCCL_DEBUG=$NCCL_DEBUG"
 }} > "$ARGS_OUT"
 """
 
@@ -162,6 +167,9 @@ def test_node_script_computes_the_rendezvous_from_slurm_variables(tmp_path):
                     "--master-port", str(20000 + 1234567 % 10000),
                     "pipelines/mpp_pretrain.py", "--config", "c.yaml"]  # fmt: skip
     assert env_line.startswith("ENV OMP_NUM_THREADS=12 ")  # 96 CPUs over 8 processes
+    # torchrun passes SIGUSR1 on to the ranks, or (one too old to read the list) ignores it
+    stop = " USR1_IGNORED=1 SIGNALS=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 STOP_TIMEOUT=120 "
+    assert stop in env_line, env_line
     outside = subprocess.run(["bash", NODE_SH, "x.py"], cwd=ROOT, env=clean_env(),
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert outside.returncode != 0 and "not inside a SLURM job" in outside.stderr
@@ -197,3 +205,62 @@ def test_sbatch_script_runs_one_node_script_per_node_with_its_arguments(tmp_path
     no_args = subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=60)  # fmt: skip
     assert no_args.returncode == 2 and "usage: sbatch" in no_args.stderr
+
+
+SRUN_UNTIL_SIGNALLED = """#!/bin/bash
+# stands in for SLURM's srun: runs until signalled, and says which signal reached it; USR1 ends
+# it with 1, what torchrun reports after its ranks stopped on it
+trap 'echo USR1 >> "$SRUN_LOG"; exit 1' USR1
+trap 'echo TERM >> "$SRUN_LOG"; exit 143' TERM
+echo "started $$" >> "$SRUN_LOG"
+for _ in $(seq 600); do sleep 0.1; done
+"""
+
+
+def _sbatch_until_signalled(tmp_path: Path) -> tuple[subprocess.Popen, int, Path, Path]:
+    """pretrain.sbatch as the batch step runs it, with a stand-in srun that runs until
+    signalled and a stand-in scontrol that records its arguments; (batch shell, srun's pid, the
+    signals srun got, scontrol's calls) once srun runs."""
+    srun_log, scontrol_log = tmp_path / "srun.log", tmp_path / "scontrol.log"
+    executable(tmp_path / "bin" / "srun", SRUN_UNTIL_SIGNALLED)
+    executable(tmp_path / "bin" / "scontrol", '#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    env = clean_env(SLURM_NNODES="2", SLURM_CPUS_PER_TASK="8", SLURM_JOB_ID="4242",
+                    SRUN_LOG=str(srun_log), SCONTROL_LOG=str(scontrol_log),
+                    PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+    batch = subprocess.Popen(["bash", SBATCH, "pipelines/mpp_pretrain.py"], cwd=ROOT, env=env,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (srun_log.is_file() and srun_log.read_text().startswith("started ")):
+        assert time.monotonic() < deadline and batch.poll() is None, "srun never started"
+        time.sleep(0.05)
+    return batch, int(srun_log.read_text().split()[1]), srun_log, scontrol_log
+
+
+def test_sbatch_passes_the_time_limit_signal_to_the_step_and_requeues_the_job(tmp_path):
+    """SIGUSR1 to the batch shell alone (--signal=B:USR1@300): srun gets it, and when the step
+    ends unfinished the job is requeued; the script exits with the step's status."""
+    batch, _, srun_log, scontrol_log = _sbatch_until_signalled(tmp_path)
+    batch.send_signal(signal.SIGUSR1)
+    _, err = batch.communicate(timeout=30)
+    assert batch.returncode == 1, err
+    assert srun_log.read_text().splitlines()[1:] == ["USR1"]
+    assert scontrol_log.read_text().splitlines() == ["requeue 4242"]
+    assert "requeueing job 4242" in err
+    lines = (ROOT / SBATCH).read_text().splitlines()
+    for directive in ("--signal=B:USR1@300", "--requeue", "--open-mode=append"):
+        assert f"#SBATCH {directive}" in lines
+
+
+def test_sbatch_waits_for_the_step_after_sigterm_and_requeues_nothing(tmp_path):
+    """SIGTERM (scancel, a preemption, the time limit) reaches the batch shell and the step
+    alike: the shell waits for the step, which may be writing its checkpoint, and a cancelled
+    job stays cancelled."""
+    batch, srun, srun_log, scontrol_log = _sbatch_until_signalled(tmp_path)
+    batch.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    assert batch.poll() is None  # still waiting for srun
+    os.kill(srun, signal.SIGTERM)
+    _, err = batch.communicate(timeout=30)
+    assert batch.returncode == 143, err
+    assert srun_log.read_text().splitlines()[1:] == ["TERM"]
+    assert not scontrol_log.exists()

@@ -12,8 +12,9 @@
 #   SLURM_JOB_ID        the port: 20000 + job id mod 10000 (two jobs sharing a node differ)
 #   SLURM_GPUS_ON_NODE  --nproc-per-node (else nvidia-smi's GPU count, else 1)
 #   SLURM_CPUS_ON_NODE  CPU threads per process: this node's CPUs / processes
-# Set MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE or OMP_NUM_THREADS to choose them yourself, and
-# PYTHON for the interpreter (default: python3, that of the environment sbatch inherited).
+# Set MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE or OMP_NUM_THREADS to choose them yourself,
+# PYTHON for the interpreter (default: python3, that of the environment sbatch inherited), and
+# STOP_TIMEOUT for the seconds a stop signal leaves the ranks to checkpoint (default 120).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -49,6 +50,17 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cpus / procs > 0 ? cpus / procs : 1
 
 echo "node $SLURM_NODEID/$SLURM_NNODES ($(hostname)): $procs process(es)," \
     "master $master_addr:$master_port, OMP_NUM_THREADS=$OMP_NUM_THREADS" >&2
+
+# Stopping (ssl_vit/engine/stop.py). SLURM's SIGTERM, and the SIGUSR1 pretrain.sbatch forwards,
+# reach torchrun; with this list it passes both on to its training processes, and it gives them
+# STOP_TIMEOUT s to checkpoint before it kills them (its default, 30 s, is short for a large
+# model on shared storage; the other ranks get as long after one crashed). torchrun reads the
+# list since torch 2.9 and the timeout since a later release. An older one would die of
+# SIGUSR1: it ignores it (trap below; so do its processes until the trainer takes it), and the
+# ranks get it from SLURM alone, which signals every process of the step.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${STOP_TIMEOUT:-120}
+trap '' USR1
 
 # Static rendezvous: ranks follow the node rank (rank 0 on the master), and node 0's torchrun
 # hosts the store the others join. NCCL_*, AWS_* and the like reach the processes through the

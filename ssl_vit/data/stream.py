@@ -261,7 +261,7 @@ def _common(
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     manifest = load_manifest(root)
     shards = select_shards(manifest, split, missing, verify)  # type: ignore[arg-type]
-    mp_ctx = worker_context(ctx)
+    mp_ctx = worker_context(ctx, num_workers)
     return manifest, shards, mp_ctx, ReadCounter(mp_ctx)
 
 

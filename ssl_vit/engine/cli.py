@@ -22,6 +22,7 @@ launch:
   deepspeed --num_gpus 8 pipelines/mpp_pretrain.py --config C      one node, 8 ranks
   deepspeed --hostfile hosts --num_nodes 4 pipelines/mpp_pretrain.py --config C
 Running the same command again resumes from RUN_DIR/checkpoints/latest.
+SIGTERM or SIGUSR1 (run.stop_signals) stops at a step boundary with a checkpoint: exit 124.
 """
 
 
@@ -159,7 +160,8 @@ def _check(cfg, args, world: int) -> int:
 
 
 def main(kind: str, description: str, argv: list[str] | None = None) -> int:
-    """Parse, validate, train; configuration and data errors exit 2 with one line, no traceback."""
+    """Parse, validate, train; configuration and data errors exit 2 with one line, no traceback;
+    a stop on a signal (ssl_vit/engine/stop.py) exits STOPPED_EXIT."""
     args, overrides = parse(argv, kind, description)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(args.verbose, level=logging.INFO if rank == 0 else logging.WARNING)
@@ -185,6 +187,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     from ssl_vit.data.shards import ShardReadError
     from ssl_vit.engine.checkpoint import CheckpointError
     from ssl_vit.engine.distributed import BarrierTimeout
+    from ssl_vit.engine.stop import STOPPED_EXIT, Stopped
     from ssl_vit.engine.trainer import NonFiniteLossError, train
 
     try:
@@ -203,4 +206,8 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except Stopped as e:
+        if rank == 0:
+            print(e, file=sys.stderr)
+        return STOPPED_EXIT
     return 0

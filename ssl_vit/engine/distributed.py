@@ -88,21 +88,28 @@ class BarrierTimeout(RuntimeError):
     """Some ranks never reached a barrier: they died or hang; the message names them."""
 
 
-def barrier(what: str = "a barrier") -> None:
-    """Wait for every rank, at most BARRIER_TIMEOUT_S; then a one-line BarrierTimeout naming
-    the ranks that did not come. Through a gloo group (torch's monitored barrier runs only on
-    gloo), made by the first call, which every rank makes together."""
+def cpu_group() -> object:
+    """A gloo group of every rank (the world's own when it is gloo), made by the first call,
+    which every rank makes together: collectives of CPU tensors that never wait on a GPU
+    stream (the barriers below, the stop agreement of ssl_vit/engine/stop.py)."""
     global _monitor_group
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
     if _monitor_group is None:
         _monitor_group = (
             dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         )
+    return _monitor_group
+
+
+def barrier(what: str = "a barrier") -> None:
+    """Wait for every rank, at most BARRIER_TIMEOUT_S; then a one-line BarrierTimeout naming
+    the ranks that did not come. Through `cpu_group()`: torch's monitored barrier runs only on
+    gloo."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
     limit = float(os.environ.get("SSL_VIT_BARRIER_TIMEOUT_S", BARRIER_TIMEOUT_S))
     try:
         dist.monitored_barrier(
-            group=_monitor_group, timeout=timedelta(seconds=limit), wait_all_ranks=True
+            group=cpu_group(), timeout=timedelta(seconds=limit), wait_all_ranks=True
         )
     except RuntimeError as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

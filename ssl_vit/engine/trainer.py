@@ -7,6 +7,10 @@
     for each batch: optimizer_step (objective -> backward -> step) -> log -> evaluate -> checkpoint
     export the backbone (fp32 master weights)
 
+A stop signal (run.stop_signals: SIGTERM, SIGUSR1) ends the loop at a step boundary agreed by
+every rank, with a checkpoint there, the MLflow run KILLED, and `Stopped` raised
+(ssl_vit/engine/stop.py).
+
 Running the same command again resumes the same run: model, optimizer, step, data position
 (epoch and batch) and MLflow run; with another number of ranks too, the interrupted epoch then
 restarting from its first batch (ssl_vit/engine/checkpoint.py). The learning rate is a function
@@ -59,6 +63,7 @@ from ssl_vit.engine.optim import (
 from ssl_vit.engine.precision import run_precision, step_timer
 from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.run_tracker import open_run_tracker, register_run, save_run_id
+from ssl_vit.engine.stop import Stopped, StopSignals
 from ssl_vit.io import atomic_write_text
 from ssl_vit.perf import count_train_flops, mfu_peaks
 from ssl_vit.tracking import Tracker
@@ -321,7 +326,8 @@ def train(cfg: Config, header: str = "") -> Path:
     meta = {"mlflow_run_id": tracker.run_id, "objective": cfg.objective.kind}  # in each export
     startup.ready()  # everything is loaded: later GC passes skip it (ssl_vit/startup.py)
 
-    with tracker:  # ends the MLflow run as FAILED (or KILLED) if training raises
+    # the tracker ends the MLflow run as FAILED (or KILLED) if training raises
+    with tracker, StopSignals(cfg.run.stop_signals) as stop:
         for images, labels, waited in _batches(loader, count, run.total_steps):
             # images: (B, C, H, W) uint8, the rank's share of the global batch; labels: (B,)
             torch.manual_seed(cfg.run.seed * 1_000_003 + rank * 7_919 + count.step)
@@ -379,7 +385,9 @@ def train(cfg: Config, header: str = "") -> Path:
             with run.compiler.eager():  # evaluations are not worth a compile of their own
                 run.evals.maybe_run(engine.module, count.step, tracker)
 
-            if count.step % cfg.run.checkpoint_every == 0 or count.step == run.total_steps:
+            stopping = stop.agreed()  # a stop signal reached some rank: every rank stops here
+            last = stopping or count.step == run.total_steps
+            if last or count.step % cfg.run.checkpoint_every == 0:
                 tracker.wait_sent()  # the metrics up to this step outlive a kill right after it
                 launch = {k: run.launch[k] for k in checkpoint.LAUNCH_KEYS}
                 saved = {**count.state(), **launch, **run.evals.state()}
@@ -392,7 +400,20 @@ def train(cfg: Config, header: str = "") -> Path:
             measured = run.compiler.after_step(count.step)  # the compile trial's verdict, once
             if measured and rank == 0:
                 tracker.log_metrics(measured, step=count.step)
+            if stopping:
+                break
         progress.close()
+        if stop.stopped_by:  # checkpointed above; the same command goes on from there
+            save_run_id(tracker, run.run_dir / "mlflow_run_id")
+            tracker.set_tags(
+                {"ssl_vit.stopped_by": stop.stopped_by, "ssl_vit.stopped_at_step": count.step}
+            )
+            tracker.close("KILLED")
+            run.compiler.close()
+            barrier("the stop")  # the ranks leave together: the launcher sees their exit code
+            raise Stopped(
+                stop.stopped_by, count.step, str(run.ckpt_dir / checkpoint.tag_for(count.step))
+            )
 
         export_dir = run.run_dir / "export"
         with run.compiler.eager():
