@@ -184,13 +184,6 @@ def reap_with_this_process(proc: subprocess.Popen) -> subprocess.Popen:
     return proc
 
 
-def _terminate_as_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")  # pytest then runs every teardown
-
-
-signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-
-
 class MlflowServer:
     """A real `mlflow server` on 127.0.0.1 and a free port, killable and restartable there."""
 
