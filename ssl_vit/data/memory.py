@@ -84,6 +84,7 @@ def _decode_split(
     workers: int,
     counter: ReadCounter,
     ctx: mp.context.BaseContext,
+    missing: str = "error",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(images (N, C, H, W) uint8, labels (N,), manifest indices (N,)) of every readable
     sample of `shards`."""
@@ -102,6 +103,7 @@ def _decode_split(
         counter=counter,
         subset=None,
         with_indices=True,
+        missing=missing,  # a shard that fails its checks: stop, or skip it counted
     )
     images = torch.empty((n, manifest.channels, h, w), dtype=torch.uint8)
     labels = torch.empty(n, dtype=torch.int64)
@@ -268,6 +270,7 @@ def load_training_samples(
     counter: ReadCounter,
     ctx: mp.context.BaseContext,
     train_fraction: float = 1.0,
+    missing: str = "error",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(images (N, C, H, W) uint8, labels (N,)) of the split's readable samples that training
     uses (not held out, inside `train_fraction`: ssl_vit.data.holdout),
@@ -277,7 +280,7 @@ def load_training_samples(
     start = time.perf_counter()
     total = sum(r.num_samples for r in shards)
     workers = num_workers if total > IN_PROCESS_SAMPLES else 0  # ssl_vit.data.workers
-    images, labels, index = _decode_split(manifest, split, shards, workers, counter, ctx)
+    images, labels, index = _decode_split(manifest, split, shards, workers, counter, ctx, missing)
     # The held-out hash ranges over the shards present, as the streaming loaders number them.
     unused = excluded_indices(total, holdout_fraction, train_fraction)
     keep = ~torch.isin(index, torch.from_numpy(unused))

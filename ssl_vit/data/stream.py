@@ -334,7 +334,15 @@ def make_train_loader(
     )
     if in_memory:
         images, labels = load_training_samples(
-            manifest, split, shards, num_workers, holdout_fraction, counter, ctx, train_fraction
+            manifest,
+            split,
+            shards,
+            num_workers,
+            holdout_fraction,
+            counter,
+            ctx,
+            train_fraction,
+            missing,
         )
         num_samples = len(images)
     else:
