@@ -30,8 +30,7 @@ from safetensors.numpy import load_file, save
 from tqdm.auto import tqdm
 
 from ssl_vit import readout
-from ssl_vit.data.manifest import MANIFEST_NAME, load_manifest
-from ssl_vit.data.urls import join
+from ssl_vit.data.manifest import load_manifest
 from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR
 from ssl_vit.io import atomic_write_bytes, sha256_file
 from ssl_vit.readout import POOLS, readout_name
@@ -366,11 +365,11 @@ def split_features(
     device = device or default_device()
     bf16 = (device.type == "cuda") if bf16 is None else bf16
     how = dict(pool=pool, n_last=n_last, layer=layer, device=device, bf16=bf16)
-    fields = feature_fields(backbone, str(manifest.root), split, **how)
+    fields = feature_fields(backbone, str(manifest.source), split, **how)
 
     def compute() -> tuple[np.ndarray, np.ndarray]:
         batches = eval_batches(
-            str(manifest.root), split, batch_size, num_workers, backbone.img_size
+            str(manifest.source), split, batch_size, num_workers, backbone.img_size
         )
         f, y = extract_features(
             backbone, batches, **how, total=info.num_samples, desc=f"{split} features"
@@ -379,7 +378,7 @@ def split_features(
             log.warning(
                 "%s: split %r lists %d samples but %d were readable; results cover those only "
                 "(run data_prep/verify_shards.py)",
-                join(str(manifest.root), MANIFEST_NAME),
+                manifest.where,
                 split,
                 info.num_samples,
                 len(y),

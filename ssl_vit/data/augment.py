@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 import random
 import struct
@@ -34,7 +35,10 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
-IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
+from ssl_vit.data.manifest import SampleLayout
+
+_DEFAULT = SampleLayout()
+
 _FORMATS = ("PNG", "JPEG", "WEBP")  # what data_prep writes; nothing else is parsed
 
 
@@ -197,47 +201,88 @@ def decode_with_pil(data: bytes, channels: int) -> np.ndarray:  # (H, W) or (H, 
 
 
 def decode_sample(
-    sample: dict, *, channels: int, labelled: bool, num_classes: int | None = None
+    sample: dict,
+    *,
+    channels: int,
+    labelled: bool,
+    num_classes: int | None = None,
+    layout: SampleLayout = _DEFAULT,
 ) -> tuple[np.ndarray, int]:
     """Decode a raw webdataset sample dict to ((H, W) or (H, W, 3) uint8 pixels, label); raise
-    CorruptSample saying what is wrong (LabelOutOfRange: see sample_label)."""
-    data = sample_image(sample)
+    CorruptSample saying what is wrong (LabelOutOfRange: see sample_label). `layout`: the
+    fields its image and label are in (the manifest's)."""
+    data = sample_image(sample, layout)
     try:
         img = _decode_image(data, channels)
     except Exception as e:  # PIL and libpng raise many types for bad data
         key = sample.get("__key__", "?")
         raise CorruptSample(f"{key}: undecodable image ({type(e).__name__}: {e})") from None
-    return img, sample_label(sample, labelled=labelled, num_classes=num_classes)
+    label = sample_label(sample, labelled=labelled, num_classes=num_classes, layout=layout)
+    return img, label
 
 
-def sample_image(sample: dict) -> bytes:
+def sample_image(sample: dict, layout: SampleLayout = _DEFAULT) -> bytes:
     """The encoded image of a raw sample; CorruptSample when it has none."""
-    data = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
+    data = next((sample[e] for e in layout.image_keys if e in sample), None)
     if data is None:
         key = sample.get("__key__", "?")
-        raise CorruptSample(f"{key}: no image ({'/'.join(IMAGE_EXTS)}) in the sample")
+        raise CorruptSample(f"{key}: no image ({'/'.join(layout.image_keys)}) in the sample")
     return data
 
 
-def sample_label(sample: dict, *, labelled: bool, num_classes: int | None = None) -> int:
+def sample_label(
+    sample: dict,
+    *,
+    labelled: bool,
+    num_classes: int | None = None,
+    layout: SampleLayout = _DEFAULT,
+) -> int:
     """The sample's integer label (-1 in an unlabelled set); CorruptSample when it is bad, and
     LabelOutOfRange when it is not one of the manifest's `num_classes` classes."""
     key = sample.get("__key__", "?")
-    if "cls" in sample:
+    field = layout.label
+    # an unlabelled set's samples may still carry a .cls: it is read, as always
+    if field is None or not labelled and (field.startswith("json:") or field not in sample):
+        if labelled:
+            raise CorruptSample(f"{key}: the manifest has classes but names no label field")
+        return -1
+    if field.startswith("json:"):
+        label, shown = _json_label(sample, key, field[5:], layout), f".json {field[5:]!r}"
+    elif field in sample:
+        shown = f".{field}"
         try:
-            label = int(sample["cls"].decode("ascii").strip())
+            label = int(sample[field].decode("ascii").strip())
         except (UnicodeDecodeError, ValueError):
-            raise CorruptSample(f"{key}: .cls is not an ascii integer") from None
-        if num_classes is not None and not 0 <= label < num_classes:
-            raise LabelOutOfRange(
-                f"{key}: .cls is {label}, not a class of the manifest's {num_classes}; "
-                "the shard and its manifest disagree: fix or re-create the shard set"
-            )
-    elif labelled:
-        raise CorruptSample(f"{key}: no .cls in a labelled shard set")
+            raise CorruptSample(f"{key}: .{field} is not an ascii integer") from None
     else:
-        label = -1
+        raise CorruptSample(f"{key}: no .{field} in a labelled shard set")
+    if num_classes is not None and not 0 <= label < num_classes:
+        raise LabelOutOfRange(
+            f"{key}: {shown} is {label}, not a class of the manifest's {num_classes}; "
+            "the shard and its manifest disagree: fix or re-create the shard set"
+        )
     return label
+
+
+def _json_label(sample: dict, key: str, name: str, layout: SampleLayout) -> int:
+    """The label a sample's JSON holds under `name`: an integer, or a class name."""
+    if "json" not in sample:
+        raise CorruptSample(f"{key}: no .json in a set labelled by its {name!r} key")
+    try:
+        meta = json.loads(sample["json"])
+    except (ValueError, RecursionError):
+        raise CorruptSample(f"{key}: .json is not valid JSON") from None
+    value = meta.get(name) if isinstance(meta, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and layout.classes is not None and value in layout.classes:
+        return layout.classes[value]
+    if isinstance(value, str) and layout.classes is not None:
+        raise LabelOutOfRange(
+            f"{key}: .json {name!r} is {value[:60]!r}, not a class of the manifest; "
+            "the shard and its manifest disagree: index the set again"
+        )
+    raise CorruptSample(f"{key}: .json has no integer or class name under {name!r}")
 
 
 def crop_params(

@@ -27,6 +27,7 @@ from .augment import (
     train_transform,
 )
 from .device_decode import crop_box_for, jpeg_size
+from .manifest import SampleLayout
 from .shards import ReadCounter, ShardReadError, ShardRef, read_shard, report_skip
 from .stream_plan import Exclusions, Piece, exact_pieces, resampled_pieces, stream_quota
 from .urls import Retry
@@ -62,6 +63,7 @@ class TrainStream(IterableDataset):
     channels: int
     labelled: bool
     num_classes: int | None  # the manifest's; a label outside it stops the run
+    layout: SampleLayout  # the fields of a sample its image and label are in
     rank: int
     world_size: int
     workers: int  # loader worker processes (at least 1)
@@ -186,16 +188,25 @@ class TrainStream(IterableDataset):
     def _prepare(self, sample: dict, rng: random.Random) -> tuple[Any, int]:
         """(augmented uint8 pixels, or (JPEG bytes, box, flip) for the device; label)."""
         if self.device_decode:
-            data = sample_image(sample)
+            data = sample_image(sample, self.layout)
             size = jpeg_size(data)
             if size is not None:
-                label = sample_label(sample, labelled=self.labelled, num_classes=self.num_classes)
+                label = sample_label(
+                    sample,
+                    labelled=self.labelled,
+                    num_classes=self.num_classes,
+                    layout=self.layout,
+                )
                 box, flip = crop_box_for(
                     *size, rng, augment=self.augment, scale=self.scale, hflip=self.hflip
                 )
                 return (data, box, flip), label
         img, label = decode_sample(
-            sample, channels=self.channels, labelled=self.labelled, num_classes=self.num_classes
+            sample,
+            channels=self.channels,
+            labelled=self.labelled,
+            num_classes=self.num_classes,
+            layout=self.layout,
         )
         return self._transform(img, rng), label
 
@@ -238,6 +249,7 @@ class EvalStream(IterableDataset):
     channels: int
     labelled: bool
     num_classes: int | None  # the manifest's; a label outside it stops the run
+    layout: SampleLayout  # the fields of a sample its image and label are in
     lo: int  # this rank's positions lo..hi-1 (of the split, or of `subset`)
     hi: int
     batch: int
@@ -288,6 +300,7 @@ class EvalStream(IterableDataset):
                         channels=self.channels,
                         labelled=self.labelled,
                         num_classes=self.num_classes,
+                        layout=self.layout,
                     )
                     if self.img_size is not None:
                         img = eval_transform(img, self.img_size)

@@ -55,18 +55,21 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ssl_vit.data.urls import (
     Retry,
     is_missing,
+    is_pipe,
+    is_plain_name,
     join,
     local_path,
     normalise_root,
     read_bytes,
     reason,
+    split_pattern,
 )
 from ssl_vit.io import atomic_write_text
 
@@ -90,6 +93,27 @@ class ShardInfo:
     block_sha256: list[str] | None = None  # sha256 of the bytes between offsets (data.blocks)
 
 
+# The fields a sample's image may be in, in the order looked for: what make_shards writes,
+# and the image fields of WebDataset sets made by other tools.
+IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """Which fields of a sample hold its image and its label. make_shards' sets use the
+    default; a set indexed in place (data_prep/index_shards.py) records its own."""
+
+    image_keys: tuple[str, ...] = IMAGE_KEYS
+    # "cls" (or any field holding an ASCII integer), "json:KEY" (a key of the sample's .json:
+    # an integer, or a class name of the manifest's class_names), or None: unlabelled
+    label: str | None = "cls"
+    # class name -> index, for a JSON label that holds names (filled from class_names)
+    classes: dict[str, int] | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"image_keys": list(self.image_keys), "label": self.label}
+
+
 @dataclass(frozen=True)
 class SplitInfo:
     num_samples: int
@@ -108,8 +132,16 @@ class Manifest:
     num_skipped: int = 0
     index_every: int | None = None  # the stride of ShardInfo.offsets
     created_by: dict[str, Any] = field(default_factory=dict)
-    root: str | None = field(default=None, compare=False)  # a local path or URL (data.urls)
+    layout: SampleLayout = field(default_factory=SampleLayout)  # written as "sample"
+    # where the shards are when the manifest is kept apart from them (a read-only set indexed
+    # in place): an absolute path or URL; None: beside the manifest
+    shards_root: str | None = None
+    root: str | None = field(default=None, compare=False)  # the shards' folder or URL (data.urls)
     sha256: str | None = field(default=None, compare=False)  # of the manifest.json it was read from
+    # what was given to load_manifest (a folder, a manifest file, a brace pattern): loading it
+    # again gives this manifest; `location`: the manifest file's path or URL
+    source: str | None = field(default=None, compare=False)
+    location: str | None = field(default=None, compare=False)
 
     @property
     def num_classes(self) -> int | None:
@@ -117,12 +149,18 @@ class Manifest:
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
-            where = join(self.root, MANIFEST_NAME) if self.root else MANIFEST_NAME
             raise ManifestError(
-                f"{where}: no split {name!r}; it has {sorted(self.splits)}. "
+                f"{self.where}: no split {name!r}; it has {sorted(self.splits)}. "
                 "Choose one of those or re-run data_prep/make_shards.py with that split."
             )
         return self.splits[name]
+
+    @property
+    def where(self) -> str:
+        """The manifest file, for messages."""
+        if self.location:
+            return self.location
+        return join(self.root, MANIFEST_NAME) if self.root else MANIFEST_NAME
 
     def shard_paths(self, split: str) -> list[Path]:
         """Absolute paths of a split's shards, in manifest order (a local set's)."""
@@ -135,8 +173,12 @@ class Manifest:
         """The manifest.json object. The optional index (`offsets`, `index_every`) is left out
         where absent, so a set made without it serialises exactly as before it existed."""
         body = asdict(self)
-        body.pop("root")
-        body.pop("sha256")
+        for key in ("root", "sha256", "source", "location", "layout"):
+            body.pop(key)
+        if self.layout != SampleLayout():  # make_shards' sets serialise as before it existed
+            body["sample"] = self.layout.to_json()
+        if body["shards_root"] is None:
+            del body["shards_root"]
         if body["index_every"] is None:
             del body["index_every"]
         for split in body["splits"].values():
@@ -147,14 +189,16 @@ class Manifest:
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **body}
 
 
-def write_manifest(root: str | os.PathLike, manifest: Manifest) -> Path:
-    path = Path(root) / MANIFEST_NAME
+def write_manifest(root: str | os.PathLike, manifest: Manifest, name: str = MANIFEST_NAME) -> Path:
+    path = Path(root) / name
     atomic_write_text(path, json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
     return path
 
 
 # A shard name is joined to the set's root, which may be a folder, a URL or a `pipe:` shell
 # command: only this form can never leave the folder nor be more than a word to a shell.
+# A set indexed in place keeps the names another tool gave its shards: any plain `*.tar` name
+# (urls.join's rule), still never a folder part nor a leading dot.
 SHARD_NAME = re.compile(r"([A-Za-z0-9_]+)-[0-9]+\.tar")  # group 1: the split
 SPLIT_NAME = re.compile(r"[A-Za-z0-9_]+")
 _REDO = "re-create the manifest with data_prep/make_shards.py"
@@ -165,8 +209,11 @@ _JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a 
                list: "a list", dict: "an object", type(None): "null"}  # fmt: skip
 
 
-def is_shard_name(split: str, name: object) -> bool:
-    """Whether `name` is a valid name of a shard of split `split`: `{split}-{digits}.tar`."""
+def is_shard_name(split: str, name: object, indexed: bool = False) -> bool:
+    """Whether `name` is a valid name of a shard of split `split`: `{split}-{digits}.tar`, or
+    for a set indexed in place (`indexed`) any plain name ending in .tar."""
+    if indexed:
+        return isinstance(name, str) and is_plain_name(name) and name.endswith(".tar")
     match = SHARD_NAME.fullmatch(name) if isinstance(name, str) else None
     return match is not None and match.group(1) == split
 
@@ -204,8 +251,9 @@ class _Checker:
     """Checks of the values of one manifest; each failure is a one-line ManifestError naming the
     manifest, the entry and the key, and what to do."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, indexed: bool = False) -> None:
         self.path = path
+        self.indexed = indexed  # a set indexed in place: its shards keep their own names
 
     def error(self, where: str, problem: str) -> ManifestError:
         return ManifestError(f"{self.path}: {where}{problem}; {_REDO}")
@@ -231,10 +279,11 @@ class _Checker:
         where = f"split {split!r} shard {i} "
         sh = self.entry(raw, _SHARD_KEYS, where)
         name = self.get(sh, "name", where, lambda v: isinstance(v, str), "a string")
-        if not is_shard_name(split, name):
+        if not is_shard_name(split, name, self.indexed):
+            rule = "plain file names ending in .tar" if self.indexed else "<split>-<digits>.tar"
             raise ManifestError(
                 f"{self.path}: {where}has the name {_short(name)}; shard names must be "
-                f"<split>-<digits>.tar ({_REDO})"
+                f"{rule} ({_REDO})"
             )
         n = self.get(sh, "num_samples", where, lambda v: _is_int(v, 0), "an integer >= 0")
         size = self.get(sh, "bytes", where, lambda v: _is_int(v, 0), "an integer >= 0")
@@ -315,16 +364,26 @@ class _Checker:
 
 
 def load_manifest(root: str | os.PathLike, retry: Retry | None = None) -> Manifest:
-    """Read and validate `root/manifest.json`: root is a folder or URL (ssl_vit.data.urls), or
-    the manifest file itself; `retry`: how a remote read is retried (None: Retry()). Every
-    byte of it is untrusted: whatever it holds, this returns a
-    manifest whose values have the types and ranges the dataclasses above say, or raises a
-    one-line ManifestError."""
+    """Read and validate a shard set's manifest. `root` is the set's folder or URL
+    (ssl_vit.data.urls) holding manifest.json, a manifest file itself (any `*.json`: one kept
+    apart from a read-only set), or a brace pattern naming some shards of a set
+    (`.../data-{000000..000099}.tar`: the manifest beside them, reduced to those shards).
+    `retry`: how a remote read is retried (None: Retry()). Every byte of it is untrusted:
+    whatever it holds, this returns a manifest whose values have the types and ranges the
+    dataclasses above say, or raises a one-line ManifestError."""
     root = os.fspath(root)
-    if root.rstrip("/").endswith("/" + MANIFEST_NAME) or root == MANIFEST_NAME:
-        root = root.rstrip("/")[: -len(MANIFEST_NAME)] or "."
-    root = normalise_root(root)
-    path = join(root, MANIFEST_NAME)
+    try:
+        pattern = split_pattern(root)
+    except ValueError as e:
+        raise ManifestError(str(e)) from None
+    if pattern is not None:
+        return _only(load_manifest(pattern[0], retry), pattern[1], root)
+    if root.rstrip("/").endswith(".json") and not is_pipe(root):
+        path = normalise_root(root.rstrip("/"))
+        folder = str(Path(path).parent) if local_path(path) is not None else path.rsplit("/", 1)[0]
+    else:
+        folder = normalise_root(root)
+        path = join(folder, MANIFEST_NAME)
     try:
         data = read_bytes(path, retry)
     except Exception as e:  # a server or bucket that cannot be reached, after the retries
@@ -332,7 +391,8 @@ def load_manifest(root: str | os.PathLike, retry: Retry | None = None) -> Manife
             is_missing(e) or local_path(path) is not None
         ):
             raise ManifestError(
-                f"{path}: not found; point at a shard set made by data_prep/make_shards.py"
+                f"{path}: not found; point at a shard set made by data_prep/make_shards.py, or "
+                "index a WebDataset set in place with data_prep/index_shards.py"
             ) from None
         raise ManifestError(
             f"{path}: unreadable ({reason(e)}); check the URL, the server and the credentials"
@@ -349,7 +409,12 @@ def load_manifest(root: str | os.PathLike, retry: Retry | None = None) -> Manife
             f"{path}: format_version {version!r} is not supported "
             f"(this ssl-vit reads {FORMAT_VERSION}); re-create the shard set"
         )
-    check = _Checker(path)
+    indexed = "sample" in raw  # a set indexed in place: names and fields of another tool
+    check = _Checker(path, indexed)
+    layout = _layout(check, raw["sample"]) if indexed else SampleLayout()
+    shards_root = raw.get("shards_root")
+    if shards_root is not None:
+        _check_shards_root(check, shards_root)
     every = raw.get("index_every")
     if every is not None and not _is_int(every, 1):
         raise check.error("", f"key 'index_every' is {_show(every)}, not an integer >= 1 or null")
@@ -396,9 +461,93 @@ def load_manifest(root: str | os.PathLike, retry: Retry | None = None) -> Manife
         num_skipped=num_skipped,
         index_every=every,
         created_by=created_by,
-        root=root,
+        layout=_with_classes(layout, class_names),
+        shards_root=shards_root,
+        root=normalise_root(shards_root) if shards_root else folder,
         sha256=hashlib.sha256(data).hexdigest(),
+        source=root,
+        location=path,
     )
+
+
+# A sample's field name as the tar reader gives it (lower-cased, after the key's first dot).
+_FIELD = re.compile(r"[a-z0-9_][a-z0-9_.-]{0,31}")
+_JSON_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _is_field(value: object) -> bool:
+    return isinstance(value, str) and _FIELD.fullmatch(value) is not None
+
+
+def _layout(check: _Checker, raw: object) -> SampleLayout:
+    sample = check.entry(raw, {"image_keys", "label"}, "sample ")
+    keys = check.get(
+        sample,
+        "image_keys",
+        "sample ",
+        lambda v: isinstance(v, list) and v and all(_is_field(k) for k in v),
+        "a non-empty list of field names (lower case)",
+    )
+    label = sample.get("label", "cls")
+    ok = label is None or (
+        isinstance(label, str)
+        and (
+            _FIELD.fullmatch(label) is not None
+            or (label.startswith("json:") and _JSON_KEY.fullmatch(label[5:]) is not None)
+        )
+    )
+    if not ok:
+        raise check.error(
+            "sample ", f"key 'label' is {_show(label)}, not a field name, 'json:KEY' or null"
+        )
+    return SampleLayout(tuple(keys), label)
+
+
+def _with_classes(layout: SampleLayout, class_names: list[str] | None) -> SampleLayout:
+    """The layout with the name -> index map a JSON label of class names is read through."""
+    if not (layout.label or "").startswith("json:") or class_names is None:
+        return layout
+    return replace(layout, classes={name: i for i, name in enumerate(class_names)})
+
+
+def _check_shards_root(check: _Checker, value: object) -> None:
+    """A manifest kept apart names where its shards are. It is data, so the place must be an
+    absolute path or a URL of a store (never a pipe, which is a shell command), and a manifest
+    read from a remote store may not point readers at this machine's files."""
+    remote = ("http://", "https://", "s3://", "gs://")
+    if not isinstance(value, str) or not value or "{" in value or "\n" in value:
+        raise check.error("", f"key 'shards_root' is {_show(value)}, not a path or URL")
+    if value.startswith(remote):
+        return
+    if is_pipe(value) or "://" in value and not value.startswith("file://"):
+        raise check.error("", f"key 'shards_root' is {_short(value)}, not a path or a URL of "
+                          "http(s)://, s3:// or gs://")  # fmt: skip
+    if local_path(check.path) is None:
+        raise check.error("", f"key 'shards_root' is the local path {_short(value)}, which a "
+                          "manifest read from a remote store may not name")  # fmt: skip
+    if not Path(str(local_path(value))).is_absolute():
+        raise check.error("", f"key 'shards_root' is {_short(value)}, not an absolute path")
+
+
+def _only(m: Manifest, names: list[str], pattern: str) -> Manifest:
+    """The manifest `m` reduced to the shards a brace pattern names (each must be listed)."""
+    listed = {sh.name for info in m.splits.values() for sh in info.shards}
+    unknown = [n for n in names if n not in listed]
+    if unknown:
+        raise ManifestError(
+            f"{pattern}: {unknown[0]} is not listed in {m.where} ({len(unknown)} of the "
+            f"pattern's {len(names)} shards are not); index the set again with "
+            "data_prep/index_shards.py, or fix the pattern"
+        )
+    wanted = set(names)
+    splits = {}
+    for split, info in m.splits.items():
+        shards = [sh for sh in info.shards if sh.name in wanted]
+        if shards:
+            splits[split] = SplitInfo(sum(sh.num_samples for sh in shards), shards)
+    # cached features are keyed by this digest: a subset's is its own
+    digest = hashlib.sha256(f"{m.sha256}\n{sorted(wanted)}".encode()).hexdigest()
+    return replace(m, splits=splits, sha256=digest, source=pattern)
 
 
 def _numbers(value: object, n: int) -> bool:

@@ -95,6 +95,7 @@ def _decode_split(
         channels=manifest.channels,
         labelled=manifest.class_names is not None,
         num_classes=manifest.num_classes,
+        layout=manifest.layout,
         lo=0,
         hi=n,
         batch=1024,

@@ -24,10 +24,8 @@ from ssl_vit.data.manifest import (
     write_manifest,
 )
 from ssl_vit.data.tar_reader import TarFormatError, iter_samples, sample_offsets
-from ssl_vit.data.urls import join, local_path, read_bytes
+from ssl_vit.data.urls import has_braces, join, local_path, read_bytes
 from ssl_vit.io import sha256_file
-
-_IMAGE_EXTS = ("png", "jpg", "webp")
 
 
 @dataclass
@@ -51,16 +49,14 @@ def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[s
         for sample in iter_samples(path):
             count += 1
             key = sample["__key__"]
-            images = [e for e in _IMAGE_EXTS if e in sample]
+            images = [e for e in m.layout.image_keys if e in sample]
             if len(images) != 1:
                 bad.append(key)
             elif first is None:
                 first = (f"{key}.{images[0]}", sample[images[0]])
-            if "cls" in sample and m.class_names is not None:
-                label = sample["cls"].strip()
-                if not label.isdigit() or int(label) >= len(m.class_names):
-                    shown = label[:20].decode("ascii", "backslashreplace")
-                    problems.append(f"{path.name}: {key}.cls = {shown} is not a class index")
+            wrong = _bad_label(sample, m)
+            if wrong:
+                problems.append(f"{path.name}: {key}{wrong}")
     except TarFormatError as e:
         return [f"{path.name}: unreadable tar ({e})"]
     if count != expected:
@@ -80,6 +76,32 @@ def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[s
         if m.image_size is not None and size != list(m.image_size):
             problems.append(f"{path.name}: {first[0]} is {size}, manifest says {m.image_size}")
     return problems
+
+
+def _bad_label(sample: dict, m: Manifest) -> str | None:
+    """What is wrong with a sample's label in a labelled set (None: nothing), read from the
+    field the manifest's layout names."""
+    field = m.layout.label
+    if m.class_names is None or field is None:
+        return None
+    if field.startswith("json:"):
+        try:
+            value = json.loads(sample.get("json", b"{}")).get(field[5:])
+        except (ValueError, AttributeError, RecursionError):
+            return ".json is not a JSON object"
+        if isinstance(value, str) and value in (m.layout.classes or {}):
+            return None
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and 0 <= value < len(m.class_names):
+            return None
+        return f".json {field[5:]!r} = {str(value)[:20]!r} is not a class of the manifest"
+    if field not in sample:
+        return f" has no .{field}"
+    label = sample[field].strip()
+    if not label.isdigit() or int(label) >= len(m.class_names):
+        shown = label[:20].decode("ascii", "backslashreplace")
+        return f".{field} = {shown} is not a class index"
+    return None
 
 
 def _check_file(path: Path | None, sh: ShardInfo, m: Manifest, decode: bool) -> list[str]:
@@ -191,7 +213,8 @@ def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
     elif m.num_skipped:
         report.problems.append(f"{ERRORS_NAME}: missing ({m.num_skipped} skipped inputs)")
     folder = local_path(root)
-    if folder is not None:  # a listing of a remote prefix is not looked for
+    if folder is not None and not has_braces(str(m.source)):
+        # a listing of a remote prefix is not looked for, nor strays of a pattern's subset
         stray = sorted(p.name for p in folder.glob("*.tar") if p.name not in listed)
         if stray:
             report.warnings.append(f"{len(stray)} .tar files not in the manifest (e.g. {stray[0]})")
@@ -211,8 +234,11 @@ def add_block_checksums(root: str | Path) -> int:
     them. The manifest is replaced atomically."""
     m = load_manifest(root)
     folder = local_path(str(m.root))
-    if folder is None:
-        raise ManifestError(f"{m.root}: block checksums are added to a local set only")
+    where = local_path(str(m.location))
+    if folder is None or where is None:
+        raise ManifestError(f"{m.where}: block checksums are added to a local set only")
+    if has_braces(str(m.source)):
+        raise ManifestError(f"{m.source}: point at the set's folder or manifest, not a pattern")
     if not m.index_every:
         raise ManifestError(f"{m.root}: has no offset index; re-create it with make_shards.py")
     added = 0
@@ -225,5 +251,5 @@ def add_block_checksums(root: str | Path) -> int:
                 info.shards[i] = dataclasses.replace(sh, block_sha256=digests)
                 added += 1
     if added:
-        write_manifest(folder, m)
+        write_manifest(where.parent, m, where.name)
     return added

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .blocks import BlockReader, ShardIntegrityError
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, check_shards_exist
+from .manifest import Manifest, ManifestError, check_shards_exist
 from .tar_reader import TarFormatError, _drop, read_samples
 from .urls import (
     Retry,
@@ -122,7 +122,7 @@ def select_shards(
     raise or are dropped; a remote one is found missing only when read (see read_shard).
     `verify`: what of the bytes read is checked against the block checksums (module doc)."""
     infos = manifest.split(split).shards
-    where = join(str(manifest.root), MANIFEST_NAME)
+    where = manifest.where
     try:
         urls = [join(str(manifest.root), info.name) for info in infos]
     except UnsafeNameError as e:

@@ -58,6 +58,11 @@ def normalise_root(root: str | os.PathLike) -> str:
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
+def is_plain_name(name: str) -> bool:
+    """Whether `name` is one plain file name that `join` takes."""
+    return _SAFE_NAME.fullmatch(name) is not None
+
+
 class UnsafeNameError(ValueError):
     """A file name from a shard set that could leave the set or reach a shell."""
 
@@ -79,6 +84,59 @@ def join(root: str, name: str) -> str:
         return root.replace("{}", shlex.quote(name))
     path = local_path(root)
     return str(path / name) if path is not None else f"{root.rstrip('/')}/{name}"
+
+
+# WebDataset's shard patterns: `data-{000000..000099}.tar` (a zero-padded range, with an
+# optional step: `{0..98..2}`) and `{train,val}`, several per pattern, expanded left to right.
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"(-?[0-9]+)\.\.(-?[0-9]+)(?:\.\.([1-9][0-9]*))?")
+MAX_EXPANSION = 1_000_000  # names one pattern may give: a typo's {0..9999999999} fails fast
+
+
+def has_braces(text: str) -> bool:
+    return "{" in text and not is_pipe(text)  # a pipe's `{}` is its own placeholder
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Every name a brace pattern stands for, in order: the first brace varies slowest."""
+    match = _BRACE.search(pattern)
+    if match is None:
+        if "{" in pattern or "}" in pattern:
+            raise ValueError(f"{pattern!r}: an unmatched brace; write {{a..b}} or {{x,y}}")
+        return [pattern]
+    body, head, tail = match.group(1), pattern[: match.start()], pattern[match.end() :]
+    numbers = _RANGE.fullmatch(body)
+    if numbers:
+        lo, hi, step = int(numbers.group(1)), int(numbers.group(2)), int(numbers.group(3) or 1)
+        ends = (numbers.group(1).lstrip("-"), numbers.group(2).lstrip("-"))
+        padded = any(len(e) > 1 and e.startswith("0") for e in ends)
+        width = max(len(e) for e in ends) if padded else 0
+        if abs(hi - lo) // step + 1 > MAX_EXPANSION:
+            raise ValueError(f"{pattern!r}: {{{body}}} stands for more than {MAX_EXPANSION} names")
+        direction = 1 if hi >= lo else -1
+        parts = [str(v).zfill(width) for v in range(lo, hi + direction, step * direction)]
+    elif "," in body:
+        parts = body.split(",")
+    else:
+        raise ValueError(f"{pattern!r}: {{{body}}} is neither a range {{a..b}} nor a list {{x,y}}")
+    rests = expand_braces(tail)
+    if len(parts) * len(rests) > MAX_EXPANSION:
+        raise ValueError(f"{pattern!r}: stands for more than {MAX_EXPANSION} names")
+    return [head + p + rest for p in parts for rest in rests]
+
+
+def split_pattern(root: str) -> tuple[str, list[str]] | None:
+    """(folder, file names) of a brace pattern naming shards (`https://host/set/{0..9}.tar`);
+    None where `root` has no braces. Only the file name may hold braces: a set is one folder."""
+    if not has_braces(root):
+        return None
+    folder, _, name = root.rstrip("/").rpartition("/")
+    if not folder or "{" in folder or "}" in folder:
+        raise ValueError(
+            f"{root!r}: braces may stand only in the file name part of a pattern "
+            "(one folder per shard set)"
+        )
+    return folder, expand_braces(name)
 
 
 @dataclass(frozen=True)

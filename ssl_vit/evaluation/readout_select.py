@@ -120,7 +120,7 @@ def select_readout(
         f"{split!r} against the rest of it; the test split is not read"
     )
     key = {
-        **feature_fields(bb, str(manifest.root), split, pool="select", device=device, bf16=bf16),
+        **feature_fields(bb, str(manifest.source), split, pool="select", device=device, bf16=bf16),
         "candidates": [c.name for c in cands],
         "criterion": criterion,
     }
@@ -135,7 +135,7 @@ def select_readout(
         tokens = block_tokens(model, x, layers)
         return {c.name: pool_from_tokens(tokens[c.layer], c.pool, prefix) for c in cands}
 
-    batches = eval_batches(str(manifest.root), split, batch_size, num_workers, bb.img_size)
+    batches = eval_batches(str(manifest.source), split, batch_size, num_workers, bb.img_size)
     # float16 keeps every candidate of a 60k split in memory (1.5 GB for the preset); the
     # ranking is computed in float32 from it
     feats, labels = extract_with(
