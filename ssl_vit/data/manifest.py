@@ -133,6 +133,9 @@ class Manifest:
     index_every: int | None = None  # the stride of ShardInfo.offsets
     created_by: dict[str, Any] = field(default_factory=dict)
     layout: SampleLayout = field(default_factory=SampleLayout)  # written as "sample"
+    # a WebDataset set indexed in place (data_prep/index_shards.py): its shards keep their
+    # names, and "sample" is always written
+    indexed: bool = False
     # where the shards are when the manifest is kept apart from them (a read-only set indexed
     # in place): an absolute path or URL; None: beside the manifest
     shards_root: str | None = None
@@ -173,9 +176,9 @@ class Manifest:
         """The manifest.json object. The optional index (`offsets`, `index_every`) is left out
         where absent, so a set made without it serialises exactly as before it existed."""
         body = asdict(self)
-        for key in ("root", "sha256", "source", "location", "layout"):
+        for key in ("root", "sha256", "source", "location", "layout", "indexed"):
             body.pop(key)
-        if self.layout != SampleLayout():  # make_shards' sets serialise as before it existed
+        if self.indexed or self.layout != SampleLayout():  # make_shards' sets: as before
             body["sample"] = self.layout.to_json()
         if body["shards_root"] is None:
             del body["shards_root"]
@@ -254,9 +257,10 @@ class _Checker:
     def __init__(self, path: str, indexed: bool = False) -> None:
         self.path = path
         self.indexed = indexed  # a set indexed in place: its shards keep their own names
+        self.redo = "index the set again with data_prep/index_shards.py" if indexed else _REDO
 
     def error(self, where: str, problem: str) -> ManifestError:
-        return ManifestError(f"{self.path}: {where}{problem}; {_REDO}")
+        return ManifestError(f"{self.path}: {where}{problem}; {self.redo}")
 
     def get(self, obj: dict, key: str, where: str, ok: Callable[[Any], bool], want: str) -> Any:
         """obj[key] where `ok` accepts it; `want` says what it must be."""
@@ -283,7 +287,7 @@ class _Checker:
             rule = "plain file names ending in .tar" if self.indexed else "<split>-<digits>.tar"
             raise ManifestError(
                 f"{self.path}: {where}has the name {_short(name)}; shard names must be "
-                f"{rule} ({_REDO})"
+                f"{rule} ({self.redo})"
             )
         n = self.get(sh, "num_samples", where, lambda v: _is_int(v, 0), "an integer >= 0")
         size = self.get(sh, "bytes", where, lambda v: _is_int(v, 0), "an integer >= 0")
@@ -462,6 +466,7 @@ def load_manifest(root: str | os.PathLike, retry: Retry | None = None) -> Manife
         index_every=every,
         created_by=created_by,
         layout=_with_classes(layout, class_names),
+        indexed=indexed,
         shards_root=shards_root,
         root=normalise_root(shards_root) if shards_root else folder,
         sha256=hashlib.sha256(data).hexdigest(),
@@ -475,8 +480,18 @@ _FIELD = re.compile(r"[a-z0-9_][a-z0-9_.-]{0,31}")
 _JSON_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-def _is_field(value: object) -> bool:
+def is_field(value: object) -> bool:
+    """A sample's field name as the tar reader gives it (lower case)."""
     return isinstance(value, str) and _FIELD.fullmatch(value) is not None
+
+
+def is_label_field(value: object) -> bool:
+    """Where a label may be: a field name or `json:KEY`."""
+    return is_field(value) or (
+        isinstance(value, str)
+        and value.startswith("json:")
+        and _JSON_KEY.fullmatch(value[5:]) is not None
+    )
 
 
 def _layout(check: _Checker, raw: object) -> SampleLayout:
@@ -485,18 +500,11 @@ def _layout(check: _Checker, raw: object) -> SampleLayout:
         sample,
         "image_keys",
         "sample ",
-        lambda v: isinstance(v, list) and v and all(_is_field(k) for k in v),
+        lambda v: isinstance(v, list) and v and all(is_field(k) for k in v),
         "a non-empty list of field names (lower case)",
     )
     label = sample.get("label", "cls")
-    ok = label is None or (
-        isinstance(label, str)
-        and (
-            _FIELD.fullmatch(label) is not None
-            or (label.startswith("json:") and _JSON_KEY.fullmatch(label[5:]) is not None)
-        )
-    )
-    if not ok:
+    if not (label is None or is_label_field(label)):
         raise check.error(
             "sample ", f"key 'label' is {_show(label)}, not a field name, 'json:KEY' or null"
         )
@@ -516,7 +524,7 @@ def _check_shards_root(check: _Checker, value: object) -> None:
     read from a remote store may not point readers at this machine's files."""
     remote = ("http://", "https://", "s3://", "gs://")
     if not isinstance(value, str) or not value or "{" in value or "\n" in value:
-        raise check.error("", f"key 'shards_root' is {_show(value)}, not a path or URL")
+        raise check.error("", f"key 'shards_root' is {_show(value)}, not a path or a URL")
     if value.startswith(remote):
         return
     if is_pipe(value) or "://" in value and not value.startswith("file://"):

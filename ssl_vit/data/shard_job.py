@@ -302,7 +302,7 @@ def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: in
     return len(todo)
 
 
-def _mean_std(stats: list[dict[str, Any]], channels: int) -> tuple[list[float], list[float]]:
+def mean_std(stats: list[dict[str, Any]], channels: int) -> tuple[list[float], list[float]]:
     """Exact integer sums -> per-channel mean/std of pixel values scaled to [0, 1]."""
     n = sum(s["pixels"] for s in stats)
     if n == 0:
@@ -365,7 +365,7 @@ def merge(
     }
     channels = 1 if opts.image.mode == "L" else 3
     train_stats = [r.stats for r in records if r.split == "train" and r.stats]
-    mean, std = _mean_std(train_stats, channels)
+    mean, std = mean_std(train_stats, channels)
     manifest = Manifest(
         splits=splits,
         class_names=listing.class_names,
