@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
+import re
 import shutil
 import subprocess
 import sys
@@ -310,6 +311,32 @@ def test_a_server_without_range_support_is_read_from_the_start(tiny_shards, serv
     want = [s["__index__"] for s in read_shard(local, ReadCounter(mp.get_context()), start=50)]
     assert got == want and len(got) == 128 - 50
     assert counter.bytes_read >= local.size  # the shard's head was read too
+
+
+def test_check_and_verify_report_whether_a_server_answers_range_requests(
+    tiny_shards, serve_http
+) -> None:
+    """`--check` and verify_shards.py say whether the web server answers Range requests, and
+    without them --check's read factor counts each stream reading its shards from the start."""
+    reports = {}
+    for ranged in (True, False):
+        server = serve_http(tiny_shards)
+        if not ranged:
+            for name in tiny_shards.glob("*.tar"):
+                server.set_faults(name.name, NoRange())
+        verify = run_cli(["data_prep/verify_shards.py", "--no-decode", server.url])
+        check = run_cli(["pipelines/mpp_pretrain.py", "--check", "--world-sizes", "1",
+                         f"data.root={server.url}", "data.num_workers=3", "train.global_batch=30",
+                         "data.in_memory=false", "model.img_size=16", "train.steps=2"])  # fmt: skip
+        assert verify.returncode == 0 and check.returncode == 0, verify.stderr + check.stderr
+        reports[ranged] = (verify.stdout, check.stdout)
+    assert "range requests: answered" in reports[True][0]
+    assert "range requests: ignored" in reports[False][0]
+    assert "range requests: answered" in reports[True][1]
+    assert "range requests: ignored by the server" in reports[False][1]
+    factor = [float(re.search(r"reads the shard set ([0-9.]+) times", r[1]).group(1))
+              for r in (reports[True], reports[False])]  # fmt: skip
+    assert factor[1] > factor[0]
 
 
 def test_a_missing_or_resized_remote_shard_stops_the_start(tiny_shards, tmp_path, serve_http, s3):

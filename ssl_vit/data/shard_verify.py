@@ -24,7 +24,7 @@ from ssl_vit.data.manifest import (
     write_manifest,
 )
 from ssl_vit.data.tar_reader import TarFormatError, iter_samples, sample_offsets
-from ssl_vit.data.urls import has_braces, join, local_path, read_bytes
+from ssl_vit.data.urls import has_braces, join, local_path, probe_range, read_bytes
 from ssl_vit.io import sha256_file
 
 
@@ -180,6 +180,17 @@ def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
         report.problems.append(str(e))
         return report
     root = str(m.root)
+    first = next((sh.name for info in m.splits.values() for sh in info.shards), None)
+    ranged = probe_range(join(root, first)) if first else None
+    if ranged is not None:
+        factor = (
+            "readers start inside shards at their offsets"
+            if ranged
+            else "a reader that starts inside a shard reads it from its start (an epoch reads "
+            "up to 1.5x the set when shards are split between two loader streams; "
+            "--check gives a config's figure)"
+        )
+        report.lines.append(f"range requests: {'answered' if ranged else 'ignored'}; {factor}")
     listed: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="verify-shards-") as tmp:
         for split, info in m.splits.items():

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from .augment import mix_seed
 from .shards import ShardRef
-from .urls import is_pipe, local_path
+from .urls import is_pipe, local_path, ranged
 
 MAX_READ_FACTOR = 1.05  # reads of the shard set per epoch the preflight accepts
 
@@ -128,18 +128,22 @@ def resampled_pieces(
         yield Piece(ref, 0, ref.num_samples)
 
 
-def read_start(piece: Piece) -> int:
-    """The position a reader of `piece` starts reading bytes at (module doc)."""
+def read_start(piece: Piece, assume_ranged: bool = False) -> int:
+    """The position a reader of `piece` starts reading bytes at (module doc); `assume_ranged`:
+    as if every web server answered Range requests."""
     if local_path(piece.ref.url) is not None:
         return piece.start
-    if piece.ref.every and piece.ref.offsets and not is_pipe(piece.ref.url):
+    can_seek = ranged(piece.ref.url) or assume_ranged and not is_pipe(piece.ref.url)
+    if piece.ref.every and piece.ref.offsets and can_seek:
         anchor = min(piece.start // piece.ref.every, len(piece.ref.offsets) - 1)
         return anchor * piece.ref.every
     return 0
 
 
-def read_factor(shards: Sequence[ShardRef], plans: Sequence[Sequence[Piece]]) -> float:
+def read_factor(
+    shards: Sequence[ShardRef], plans: Sequence[Sequence[Piece]], assume_ranged: bool = False
+) -> float:
     """Samples read (delivered or read to be dropped) over the samples of the set."""
     total = sum(r.num_samples for r in shards)
-    read = sum(p.stop - read_start(p) for pieces in plans for p in pieces)
+    read = sum(p.stop - read_start(p, assume_ranged) for pieces in plans for p in pieces)
     return read / max(1, total)

@@ -221,6 +221,37 @@ def note_no_range(error: BaseException | None, url: str) -> bool:
     return True
 
 
+def ranged(url: str) -> bool:
+    """Whether a reader of `url` can start inside the file: false for a pipe and for a web
+    server found to ignore Range requests (probe_range, note_no_range)."""
+    return not is_pipe(url) and _server(url) not in _NO_RANGE if "://" in url else True
+
+
+def probe_range(url: str, retry: Retry | None = None) -> bool | None:
+    """Whether the web server of `url` answers a ranged GET with that range (206); where it
+    does not, later opens of its files read from the start (logged once). None: not an
+    http(s) URL (files and object storage always seek, pipes never), or no answer (the
+    shards' existence check reports that)."""
+    if not url.startswith(("http://", "https://")):
+        return None
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Range": "bytes=0-0"})
+    try:  # the headers are enough: closing drops a body sent whole
+        with urllib.request.urlopen(request, timeout=(retry or Retry()).timeout) as answer:
+            ok = answer.status == 206
+    except Exception:  # a missing file or a refused connection: reported by the callers
+        return None
+    if not ok and _server(url) not in _NO_RANGE:
+        _NO_RANGE.add(_server(url))
+        log.warning(
+            "%s: the server ignores Range requests; its shards are read from their start, "
+            "skipping to where each read begins (more bytes read, see data/gbytes_read)",
+            _server(url),
+        )
+    return ok
+
+
 class _Stream:
     """A file read from its start to its end, never seeked (fsspec's streaming HTTP file says
     it can seek, then refuses to)."""

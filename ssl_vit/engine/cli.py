@@ -117,6 +117,15 @@ def _describe_plan(cfg, plan, world: int) -> str:
         if plan.read_factor == 1.0 and (d.resampled or d.in_memory is True)
         else f"each epoch reads the shard set {plan.read_factor:.2f} times"
     )
+    if plan.ranged is None:
+        ranges = []
+    elif plan.ranged:
+        ranges = ["  range requests: answered: streams start inside shards at their offsets"]
+    else:
+        ranges = [
+            "  range requests: ignored by the server: streams read each shard from its start "
+            "(counted in the reads above)"
+        ]
     return "\n".join(
         [
             f"{world} rank(s): {plan.num_train} of the {total} {d.split!r} samples trained on; "
@@ -127,6 +136,7 @@ def _describe_plan(cfg, plan, world: int) -> str:
             f"  loader: data.num_workers={workers} per rank, {workers + 1} processes per rank; "
             f"this machine has {cores} cores (room for {max(0, cores // (workers + 1))} rank(s) "
             "at one core per process)",
+            *ranges,
         ]
     )
 

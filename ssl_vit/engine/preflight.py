@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ssl_vit.config import KWARGS_SET_ELSEWHERE, Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
+from ssl_vit.data.urls import join, probe_range
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class DataPlan:
     steps_per_epoch: int
     total_steps: int
     read_factor: float  # times an epoch reads the shard set (1.0: in RAM or resampled)
+    ranged: bool | None = None  # the web server answers Range requests (None: not one)
 
     @property
     def epochs(self) -> float:
@@ -71,10 +73,11 @@ def check_data(cfg: Config, world: int, probe_remote: bool = True) -> DataPlan:
             f"samples of split {cfg.data.split!r}; lower the batch"
             + (f" or raise data.train_fraction={fraction}" if fraction < 1 else "")
         )
-    factor = check_read_plan(cfg, manifest, world)
+    ranged = probe_range(join(str(manifest.root), split.shards[0].name)) if split.shards else None
+    factor = check_read_plan(cfg, manifest, world)  # after the probe: its reads depend on it
     check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
-    return DataPlan(manifest, num_train, steps_per_epoch, total_steps, factor)
+    return DataPlan(manifest, num_train, steps_per_epoch, total_steps, factor, ranged)
 
 
 def check_remote_shards(manifest: Manifest, split: str, missing: str) -> None:
@@ -142,6 +145,16 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> float:
     quotas = [stream_quota(steps, batch, workers, role) for role in range(workers)] * world
     plans = exact_pieces(shards, quotas, exclusions, seed=cfg.run.seed, epoch=0)
     factor = read_factor(shards, plans)
+    if factor > MAX_READ_FACTOR >= read_factor(shards, plans, assume_ranged=True):
+        # only a web server without Range support costs the extra reads: it trains, warned
+        log.warning(
+            "%s: the server ignores Range requests, so each epoch reads the shard set %.2f "
+            "times; more shards than loader streams (make_shards.py --num-shards) or "
+            "data.resampled=true bring it to 1",
+            d.root,
+            factor,
+        )
+        return factor
     if factor > MAX_READ_FACTOR:
         streams = world * workers
         raise ConfigError(
