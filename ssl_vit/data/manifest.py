@@ -38,6 +38,11 @@ seeks there (a ranged request for a remote shard) instead of reading the shard's
 last one running to the end of the file: what readers check every read against
 (ssl_vit.data.blocks).
 
+A WebDataset set made by another tool and indexed in place (data_prep/index_shards.py) keeps
+its shards' names (any plain `*.tar` name) and adds `"sample": {"image_keys": [...], "label":
+"cls" | "json:KEY" | null}`, the fields its images and labels are in; a manifest kept apart from
+its shards adds `"shards_root"`, where they are (an absolute path or an http(s)/s3/gs URL).
+
 `load_manifest` treats the file as untrusted: every value must have the type and range above,
 shard names must be `{split}-{digits}.tar` (SHARD_NAME: they are joined to the root, which may
 be a URL or a shell command), and each shard's offsets must start at 0, increase, lie inside
