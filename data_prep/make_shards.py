@@ -1,4 +1,4 @@
-"""Turn a local image corpus into deterministic WebDataset shards: see --help."""
+"""Turn an image corpus into deterministic WebDataset shards: see --help."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ssl_vit.data.shard_plan import ShardOptions
 from ssl_vit.data.sources import SourceError
 
 DESCRIPTION = """\
-Turn a local image corpus into WebDataset shards that every later stage reads.
+Turn an image corpus into WebDataset shards that every later stage reads.
 
 SOURCE is one of:
   an image folder   class subfolders become labels (sorted names -> 0, 1, ...); a flat folder is
@@ -24,6 +24,8 @@ SOURCE is one of:
                     relative to the list file; labels are integers or class names.
   an IDX folder     MNIST / Fashion-MNIST files (*-images-idx3-ubyte[.gz] with their labels); the
                     train/test split of the files is kept and the class names are recognised.
+  a WebDataset set  a folder of .tar shards, a brace pattern or one .tar (labels from .cls): to
+                    re-shard or resize it.
 
 OUT receives {split}-{index:06d}.tar shards (samples {key}.png|jpg|webp, {key}.cls, {key}.json),
 manifest.json (counts, sizes, sha256, class names, per-channel mean/std of the train split, how it
@@ -122,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "source",
-        help="image folder, list file or IDX folder; an image folder may be a URL "
-        "(s3://bucket/photos, gs://..., or a web server's listing), read where it is",
+        help="image folder, list file, IDX folder or WebDataset set (a folder of .tar "
+        "shards, a brace pattern data-{000000..000099}.tar); folders, list files and sets may "
+        "be URLs (s3://bucket/photos, gs://..., https://...), read where they are",
     )
     p.add_argument("out", type=Path, help="output folder for shards, manifest.json, errors.jsonl")
     g = p.add_argument_group("splits and order")

@@ -266,3 +266,60 @@ def test_make_shards_reads_a_folder_in_object_storage_where_it_is(tmp_path, s3, 
     server = serve_http(src)  # serves files, but no listing a crawler could follow
     proc = run_cli(["data_prep/make_shards.py", server.url, str(tmp_path / "web")])
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _images_and_labels(folder: Path) -> list[tuple[bytes, bytes]]:
+    from ssl_vit.data.tar_reader import iter_samples
+
+    return sorted(
+        (s["png"], s["cls"]) for t in sorted(folder.glob("*.tar")) for s in iter_samples(t)
+    )
+
+
+def test_make_shards_reshards_a_webdataset_set_from_a_folder_bucket_or_pattern(
+    tmp_path, s3, serve_http
+):
+    """An existing shard set is a source too (to re-shard or resize): the same images and
+    labels come out, byte-identical from a folder, a bucket and a brace pattern over http."""
+    from test_shard_index import corpus
+
+    made = tmp_path / "made"
+    proc = run_cli(["data_prep/make_shards.py", str(corpus(tmp_path / "photos", 30)), str(made),
+                    "--shard-size", "8", "--workers", "1"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    s3.upload_folder(made, "s3://corpora/made")
+    server = serve_http(made)
+    shards = sorted(p.name for p in made.glob("train-*.tar"))
+    pattern = f"{server.url}/train-{{000000..{len(shards) - 1:06d}}}.tar"
+    outs = {}
+    for name, source in (("folder", str(made)), ("bucket", "s3://corpora/made"),
+                         ("pattern", pattern)):  # fmt: skip
+        out = outs[name] = tmp_path / name
+        proc = run_cli(["data_prep/make_shards.py", source, str(out), "--shard-size", "5",
+                        "--workers", "2"])  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    assert _images_and_labels(outs["folder"]) == _images_and_labels(made)
+    tars = sorted(p.name for p in outs["folder"].glob("*.tar"))
+    assert len(tars) == 6  # 30 samples, 5 per shard
+    for name in ("bucket", "pattern"):
+        assert [(outs[name] / t).read_bytes() for t in tars] == [
+            (outs["folder"] / t).read_bytes() for t in tars
+        ]
+
+
+def test_make_shards_reads_a_list_file_of_image_urls(tmp_path, serve_http):
+    """A list file of images on a web server (at a URL, paths relative to it) shards as the
+    same list read from disk."""
+    from test_shard_index import corpus
+
+    src = corpus(tmp_path / "photos", 12)
+    rows = sorted(str(p.relative_to(src)) for p in src.rglob("*.png"))
+    (src / "list.txt").write_text("".join(f"{r}\t{r.split('/')[0]}\n" for r in rows))
+    server = serve_http(src)
+    outs = []
+    for source in (str(src / "list.txt"), f"{server.url}/list.txt"):
+        outs.append(tmp_path / f"out{len(outs)}")
+        proc = run_cli(["data_prep/make_shards.py", source, str(outs[-1]), "--workers", "1"])
+        assert proc.returncode == 0, proc.stderr
+    assert _images_and_labels(outs[0]) == _images_and_labels(outs[1])
+    assert len(_images_and_labels(outs[1])) == 12

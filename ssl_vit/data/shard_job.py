@@ -89,7 +89,9 @@ def _init_worker(opts: ImageOptions) -> None:
     configure_pil()
 
 
-def _read(path: str) -> bytes:
+def _read(path: str, offset: int | None = None) -> bytes:
+    if offset is not None:  # a sample of a WebDataset shard: its image
+        return _read_sample_image(path, offset)
     if is_remote(path):  # an image of a source at a URL, read where it is
         from ssl_vit.data.urls import is_missing, read_bytes, reason
 
@@ -112,13 +114,37 @@ def _read(path: str) -> bytes:
         raise BadImage(f"unreadable file ({e.strerror or e})") from None
 
 
-def _work(task: tuple[str | None, np.ndarray | None, bool]) -> tuple[Encoded | None, str | None]:
-    path, pixels, want_stats = task
+def _read_sample_image(url: str, offset: int) -> bytes:
+    """The image of the sample at byte `offset` of the tar at `url` (one ranged read)."""
+    from ssl_vit.data.manifest import IMAGE_KEYS
+    from ssl_vit.data.tar_reader import TarFormatError, _drop, read_samples
+    from ssl_vit.data.urls import Retry, open_url, reason
+
+    try:
+        f, at = Retry().call(lambda: open_url(url, offset), url)
+        with f:
+            if at < offset:  # a source that cannot seek: read up to the sample
+                _drop(f, offset - at, url)
+            first = next(iter(read_samples(f, url, offset)), (offset, None))[1] or {}
+    except TarFormatError as e:
+        raise BadImage(f"unreadable sample ({e})") from None
+    except Exception as e:  # after the retries
+        raise BadImage(f"unreadable ({reason(e)})") from None
+    data = next((first[k] for k in IMAGE_KEYS if k in first), None)
+    if data is None:
+        raise BadImage(f"no image ({'/'.join(IMAGE_KEYS)}) in the sample")
+    return data
+
+
+def _work(
+    task: tuple[str | None, np.ndarray | None, bool, int | None],
+) -> tuple[Encoded | None, str | None]:
+    path, pixels, want_stats, offset = task
     assert _OPTS is not None
     try:
         if pixels is not None:
             return process_pixels(pixels, _OPTS, want_stats=want_stats), None
-        return process_bytes(_read(path or ""), _OPTS, want_stats=want_stats), None
+        return process_bytes(_read(path or "", offset), _OPTS, want_stats=want_stats), None
     except BadImage as e:
         return None, str(e)
     except Exception as e:  # one odd file must not end a long job; it is recorded instead
@@ -257,10 +283,10 @@ def run_job(
     return summary
 
 
-def _tasks(todo: list[Group]) -> Iterator[tuple[str | None, np.ndarray | None, bool]]:
+def _tasks(todo: list[Group]) -> Iterator[tuple[str | None, np.ndarray | None, bool, int | None]]:
     for g in todo:
         for it in g.items:
-            yield it.path, it.pixels, g.split == "train"
+            yield it.path, it.pixels, g.split == "train", it.offset
 
 
 def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: int) -> int:

@@ -12,7 +12,7 @@ import gzip
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +61,12 @@ class Item:
     pixels: np.ndarray | None = field(default=None, compare=False)  # (H, W) uint8 for IDX
     split: str | None = None  # fixed by the source (IDX files, split folders, list column)
     key: str | None = None  # a readable key the source guarantees unique (IDX: "train_000123")
+    offset: int | None = None  # a sample of the tar at `path`: its byte offset (a WebDataset set)
 
 
 @dataclass
 class Listing:
-    kind: str  # "folder" | "list" | "idx"
+    kind: str  # "folder" | "list" | "idx" | "webdataset"
     items: list[Item]
     errors: list[dict[str, str]]
     class_names: list[str] | None
@@ -88,8 +89,13 @@ def open_source(
     URL (s3://, gs://, http(s):// with a listing fsspec reads) is an image folder read where
     it is: nothing is copied first."""
     src = Path(source)
-    if is_remote(source):
-        listing = _remote_image_folder(os.fspath(source))
+    text = os.fspath(source)
+    if _is_webdataset(text):
+        listing = _webdataset_set(text)
+    elif is_remote(source) and text.lower().endswith(LIST_EXTENSIONS):
+        listing = _list_file(text)
+    elif is_remote(source):
+        listing = _remote_image_folder(text)
     elif not src.exists():
         raise SourceError(
             f"{src}: source not found; give an image folder, a list file or an IDX folder"
@@ -118,9 +124,7 @@ def open_source(
             )
         listing.class_names = list(class_names)
     if not labels:
-        listing.items = [
-            Item(it.rel, None, it.path, it.pixels, it.split, it.key) for it in listing.items
-        ]
+        listing.items = [replace(it, label=None) for it in listing.items]
         listing.class_names = None
     return listing
 
@@ -334,9 +338,20 @@ def _class_names(path: Path, rows: list[_Row]) -> tuple[list[str] | None, bool]:
     return [str(i) for i in range(max(int(x) for x in labels) + 1)], numeric
 
 
-def _list_file(path: Path) -> Listing:
-    """Rows of (path, optional label, optional split); paths are relative to the list's folder."""
-    text = path.read_text(encoding="utf-8-sig")
+def _list_file(where: Path | str) -> Listing:
+    """Rows of (path, optional label, optional split); paths are relative to the list's folder
+    (a list file at a URL: to that URL's folder), or URLs of images read where they are."""
+    if isinstance(where, str):  # a URL
+        from ssl_vit.data.urls import read_bytes, reason
+
+        try:
+            text = read_bytes(where).decode("utf-8-sig")
+        except Exception as e:  # after the retries; not UTF-8
+            raise SourceError(f"{where}: unreadable list file ({reason(e)})") from None
+        path, base = Path(where.rsplit("/", 1)[-1]), where.rsplit("/", 1)[0]
+    else:
+        path, base = where, None
+        text = path.read_text(encoding="utf-8-sig")
     ext = path.suffix.lower()
     if ext == ".jsonl":
         rows = _jsonl_rows(path, text)
@@ -359,14 +374,110 @@ def _list_file(path: Path) -> Listing:
         seen.add(rel)
         if split is not None and split.lower() not in SPLIT_FOLDERS:
             raise SourceError(f"{path}: {rel}: split {split!r} is not train/val/test")
+        label = None if lab is None or lab == "" else (int(lab) if numeric else index[str(lab)])
+        fixed = SPLIT_FOLDERS[split.lower()] if split else None
+        if is_remote(p) or base is not None:  # an image at a URL, read where it is
+            url = p if is_remote(p) else f"{base}/{p.lstrip('/')}"
+            if ".." in p.split("/"):
+                errors.append(_err(rel, "a path with '..' in a list file at a URL"))
+                continue
+            items.append(Item(p, label, url, split=fixed))
+            continue
         full = Path(p) if Path(p).is_absolute() else path.parent / p
         if full.is_symlink() and not full.exists():
             errors.append(_err(rel, "dangling symlink (its target does not exist)"))
             continue
-        label = None if lab is None or lab == "" else (int(lab) if numeric else index[str(lab)])
-        fixed = SPLIT_FOLDERS[split.lower()] if split else None
         items.append(Item(rel, label, str(full), split=fixed))
     return Listing("list", items, errors, names, grayscale=False, numeric_labels=numeric)
+
+
+def _is_webdataset(source: str) -> bool:
+    """A WebDataset set as a source: a brace pattern or a .tar URL or path, or a folder (local or
+    on object storage) of .tar files and no images."""
+    from ssl_vit.data.urls import has_braces
+
+    if has_braces(source) or source.endswith(".tar"):
+        return True
+    if not is_remote(source):
+        folder = Path(source)
+        if not folder.is_dir():
+            return False
+        names = [p.name.lower() for p in folder.iterdir()]
+    elif source.startswith(("http://", "https://")):
+        return False  # a web server cannot be listed: give a pattern
+    else:
+        import fsspec
+
+        try:
+            fs, path = fsspec.core.url_to_fs(source)
+            names = [str(n).rsplit("/", 1)[-1].lower() for n in fs.ls(path, detail=False)]
+        except Exception:  # the image folder listing reports it
+            return False
+    has_tars = any(n.endswith(".tar") for n in names)
+    return has_tars and not any(Path(n).suffix in IMAGE_EXTENSIONS for n in names)
+
+
+def _webdataset_set(source: str) -> Listing:
+    """The samples of a WebDataset set (made by this project or another tool), to re-shard or
+    resize: each shard is read once here for its keys and labels (`cls`); the workers then read
+    each sample's image by its offset."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ssl_vit.data.index_in_place import IndexJobError, list_shards
+    from ssl_vit.data.tar_reader import read_samples
+    from ssl_vit.data.urls import Retry, join, open_url
+
+    try:
+        root, names = list_shards(source)
+    except IndexJobError as e:
+        raise SourceError(str(e)) from None
+
+    def samples(name: str) -> list[tuple[str, int, int | None]]:
+        url = join(root, name)
+        f, _ = Retry().call(lambda: open_url(url), url)
+        out = []
+        with f:
+            for at, sample in read_samples(f, url):
+                if sample is None:
+                    continue
+                raw = sample.get("cls", b"").strip()
+                out.append((sample["__key__"], at, int(raw) if raw.isdigit() else None))
+        return out
+
+    items: list[Item] = []
+    errors: list[dict[str, str]] = []
+    with ThreadPoolExecutor(8) as pool:
+        for name, listed in zip(names, pool.map(_or_reason(samples), names), strict=True):
+            if isinstance(listed, str):
+                errors.append(_err(name, listed))
+                continue
+            for key, at, label in listed:
+                items.append(Item(f"{name}/{key}", label, join(root, name), offset=at))
+    labels = [it.label for it in items if it.label is not None]
+    if labels and len(labels) < len(items):
+        raise SourceError(
+            f"{source}: {len(items) - len(labels)} of {len(items)} samples have no integer .cls; "
+            "give --no-labels to shard them unlabelled"
+        )
+    classes = [str(i) for i in range(max(labels) + 1)] if labels else None
+    return Listing("webdataset", items, errors, classes, grayscale=False, numeric_labels=True)
+
+
+def _or_reason(fn):
+    """fn, returning a one-line reason instead of raising (a shard that cannot be read is
+    recorded in errors.jsonl, as a bad image is)."""
+    from ssl_vit.data.tar_reader import TarFormatError
+    from ssl_vit.data.urls import reason
+
+    def call(name: str):
+        try:
+            return fn(name)
+        except TarFormatError as e:
+            return f"unreadable tar ({e})"
+        except Exception as e:  # a read that failed after its retries
+            return f"unreadable ({reason(e)})"
+
+    return call
 
 
 def _idx_pairs(folder: Path) -> dict[str, tuple[Path, Path | None]]:
