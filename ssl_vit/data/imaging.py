@@ -9,7 +9,9 @@ bombs. Failures raise `BadImage` with a one-line reason that goes to errors.json
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -189,3 +191,18 @@ def process_pixels(pixels: np.ndarray, opts: ImageOptions, *, want_stats: bool =
     out = _resize(_to_mode(img, opts.mode), opts.resize, opts.size)
     # Arrays have no original bytes: "keep" stores them losslessly as PNG.
     return _finish(out, opts, original, None, "png", want_stats)
+
+
+def mean_std(stats: list[dict[str, Any]], channels: int) -> tuple[list[float], list[float]]:
+    """Exact integer sums -> per-channel mean/std of pixel values scaled to [0, 1]."""
+    n = sum(s["pixels"] for s in stats)
+    if n == 0:
+        return [0.0] * channels, [1.0] * channels
+    sums = [sum(s["sums"][c] for s in stats) for c in range(channels)]
+    squares = [sum(s["squares"][c] for s in stats) for c in range(channels)]
+    mean = [round(sums[c] / n / 255.0, 6) for c in range(channels)]
+    # Var = (N*Q - S^2) / N^2, computed in integers so it is exact and order independent.
+    std = [
+        round(math.sqrt((n * squares[c] - sums[c] ** 2) / n**2) / 255.0, 6) for c in range(channels)
+    ]
+    return mean, std

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import ssl_vit
+from ssl_vit.data.imaging import mean_std
 from ssl_vit.data.manifest import (
     IMAGE_KEYS,
     MANIFEST_NAME,
@@ -45,7 +46,6 @@ from ssl_vit.data.manifest import (
     is_label_field,
     write_manifest,
 )
-from ssl_vit.data.shard_job import mean_std
 from ssl_vit.data.tar_reader import TarFormatError, read_samples
 from ssl_vit.data.urls import (
     Retry,

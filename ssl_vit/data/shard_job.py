@@ -8,7 +8,6 @@ manifest.json, then removes OUT/.work. A folder with a manifest is complete.
 from __future__ import annotations
 
 import json
-import math
 import multiprocessing as mp
 import os
 import shutil
@@ -29,6 +28,7 @@ from ssl_vit.data.imaging import (
     Encoded,
     ImageOptions,
     configure_pil,
+    mean_std,
     process_bytes,
     process_pixels,
 )
@@ -326,21 +326,6 @@ def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: in
             pool.terminate()
             pool.join()
     return len(todo)
-
-
-def mean_std(stats: list[dict[str, Any]], channels: int) -> tuple[list[float], list[float]]:
-    """Exact integer sums -> per-channel mean/std of pixel values scaled to [0, 1]."""
-    n = sum(s["pixels"] for s in stats)
-    if n == 0:
-        return [0.0] * channels, [1.0] * channels
-    sums = [sum(s["sums"][c] for s in stats) for c in range(channels)]
-    squares = [sum(s["squares"][c] for s in stats) for c in range(channels)]
-    mean = [round(sums[c] / n / 255.0, 6) for c in range(channels)]
-    # Var = (N*Q - S^2) / N^2, computed in integers so it is exact and order independent.
-    std = [
-        round(math.sqrt((n * squares[c] - sums[c] ** 2) / n**2) / 255.0, 6) for c in range(channels)
-    ]
-    return mean, std
 
 
 def merge(
