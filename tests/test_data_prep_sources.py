@@ -323,3 +323,10 @@ def test_make_shards_reads_a_list_file_of_image_urls(tmp_path, serve_http):
         assert proc.returncode == 0, proc.stderr
     assert _images_and_labels(outs[0]) == _images_and_labels(outs[1])
     assert len(_images_and_labels(outs[1])) == 12
+    # a list read from a server is data: it may not leave its folder nor open a bucket
+    with open(src / "list.txt", "a") as f:
+        f.write(f"../{src.name}/{rows[0]}\tclass0\ns3://bucket/x.png\tclass0\n")
+    proc = run_cli(["data_prep/make_shards.py", f"{server.url}/list.txt", str(tmp_path / "o3")])
+    assert proc.returncode == 0, proc.stderr
+    errors = (tmp_path / "o3" / "errors.jsonl").read_text().splitlines()
+    assert len(errors) == 2 and all("names only http(s) URLs" in e for e in errors)

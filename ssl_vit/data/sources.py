@@ -378,8 +378,11 @@ def _list_file(where: Path | str) -> Listing:
         fixed = SPLIT_FOLDERS[split.lower()] if split else None
         if is_remote(p) or base is not None:  # an image at a URL, read where it is
             url = p if is_remote(p) else f"{base}/{p.lstrip('/')}"
-            if ".." in p.split("/"):
-                errors.append(_err(rel, "a path with '..' in a list file at a URL"))
+            # a list read from a server is data: it names files beside it or on web servers,
+            # never this machine's files nor buckets the user's credentials open
+            web = p.startswith(("http://", "https://"))
+            if base is not None and (".." in p.split("/") or is_remote(p) and not web):
+                errors.append(_err(rel, "a list file at a URL names only http(s) URLs and paths"))
                 continue
             items.append(Item(p, label, url, split=fixed))
             continue
