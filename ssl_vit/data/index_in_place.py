@@ -207,7 +207,8 @@ def index_shard(url: str, opts: IndexOptions) -> dict[str, Any]:
                     with warnings.catch_warnings():
                         warnings.simplefilter("error", Image.DecompressionBombWarning)
                         with Image.open(io.BytesIO(data)) as img:
-                            sizes.add((img.height, img.width))
+                            if len(sizes) < 2:  # two sizes already make the set's "mixed"
+                                sizes.add((img.height, img.width))
                             gray = gray and img.mode in _GRAY_MODES
                             if n % opts.stats_every == 1 or opts.stats_every == 1:
                                 import numpy as np
@@ -357,9 +358,11 @@ def _index_all(
             todo.append(name)
     if records:
         print(f"index: {len(records)} shards done before, {len(todo)} to read", file=sys.stderr)
-    start, nbytes = time.monotonic(), 0
+    start = last = time.monotonic()
+    nbytes = 0
     ctx = get_context("spawn")  # fsspec's event loop thread does not survive a fork
-    with ProcessPoolExecutor(max(1, workers), mp_context=ctx) as pool:
+    pool = ProcessPoolExecutor(max(1, workers), mp_context=ctx)
+    try:
         futures = {n: pool.submit(index_shard, join(root, n), opts) for n in todo}
         for i, (name, fut) in enumerate(futures.items(), 1):
             try:
@@ -372,13 +375,14 @@ def _index_all(
             atomic_write_text(work / f"{name}.json", json.dumps(rec))
             records[name] = rec
             nbytes += rec["bytes"]
-            rate = nbytes / 1e6 / max(time.monotonic() - start, 1e-9)
-            print(
-                f"index: {i}/{len(todo)} shards read ({name}: {rec['num_samples']} samples), "
-                f"{rate:.0f} MB/s",
-                file=sys.stderr,
-                flush=True,
-            )
+            now = time.monotonic()
+            if now - last >= 10 or i == len(todo):  # a log line every 10 s, and at the end
+                last = now
+                print(f"index: {i}/{len(todo)} shards read, {nbytes / 1e6:.0f} MB at "
+                      f"{nbytes / 1e6 / max(now - start, 1e-9):.0f} MB/s",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    finally:  # on an error, the shards not started are not read
+        pool.shutdown(wait=True, cancel_futures=True)
     return records
 
 
