@@ -7,7 +7,7 @@ FMNIST  ?= /usr/share/datasets/fashion-mnist
 SHARDS  ?= shards/fashion-mnist
 RUN     ?= runs/quickstart
 
-.PHONY: setup quickstart test lint fuzz bench fashion-mnist offline-kit
+.PHONY: setup quickstart test lint fuzz bench fashion-mnist offline-kit offline-install
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,14 +46,21 @@ TEST_WORKERS ?= auto
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
-# What a GPU node without internet lacks (wheels, deepspeed, Fashion-MNIST), packed into .whl/
-# and .fmnist/ for benchmarks/gpu_check.sh and studies/mpp_fashion_mnist/gpu_track.sh.
-# PRESENT: the node's packages (`pip freeze` run there, or one name per line); PYTHON: its
-# Python version.
+# What a GPU node without internet lacks, as wheels in .whl/: ssl-vit itself and everything
+# 'ssl-vit[node]' requires (pyproject.toml) that the node does not have. PRESENT: the node's
+# packages (`pip freeze` run there, or one name per line); PYTHON_TARGET: its Python version.
+# FMNIST_KIT=DIR also copies Fashion-MNIST's IDX files from DIR to .fmnist/ (the study's data).
 PYTHON_TARGET ?= 3.12
-offline-kit: setup fashion-mnist
+offline-kit: setup
 	@test -n "$(PRESENT)" || { echo "make offline-kit PRESENT=FILE: the node's pip freeze"; exit 2; }
-	$(BIN)/python benchmarks/offline_kit.py --present $(PRESENT) --python $(PYTHON_TARGET) --fmnist $(FMNIST)
+	$(BIN)/python benchmarks/offline_kit.py --present $(PRESENT) --python $(PYTHON_TARGET) \
+	    $(if $(FMNIST_KIT),--fmnist $(FMNIST_KIT))
+
+# On the node: the kit into $(VENV) (created over PY, the node's Python with torch, if there is
+# none), with pip and no package index. configs/slurm/pretrain.sbatch then runs $(VENV).
+KIT ?= .whl
+offline-install:
+	PY=$(PY) bash benchmarks/offline_install.sh $(KIT) $(VENV)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -7,16 +7,16 @@
 #   bash benchmarks/gpu_check.sh --device cpu --quick    # the same code on a CPU, tiny sizes
 #
 # On a GPU node without internet, copy .whl/ over first (`make offline-kit PRESENT=<the node's
-# pip freeze>` writes it on a machine with internet): what the node lacks is taken from there.
+# pip freeze>` writes it on a machine with internet): when PY lacks the packages, the kit goes
+# into .venv as `make offline-install` puts it there, and .venv runs the check.
 # PY picks the interpreter (default: .venv/bin/python if there is one, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 if [ -d .whl ] && ! $PY -c "import deepspeed, webdataset, mlflow" 2>/dev/null; then
-    site=$(mktemp -d)
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
-    tar -xzf .whl/deepspeed-site.tgz -C "$site"
-    export PYTHONPATH="$site:$PWD"
+    PY=$PY bash benchmarks/offline_install.sh .whl .venv -q
+    PY=.venv/bin/python
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 name=$($PY -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_')
       if torch.cuda.is_available() else 'cpu')")

@@ -1,19 +1,23 @@
-"""Wheels for a GPU node without internet (an air-gapped cluster), packed beside the tree.
+"""Wheels for a GPU node without internet (an air-gapped cluster): `ssl-vit[node]` and all it needs.
 
-    python benchmarks/offline_kit.py --present target-packages.txt [--python 3.12]
-    (`make offline-kit PRESENT=target-packages.txt` runs the same; copy .whl/ and .fmnist/ over)
+    python benchmarks/offline_kit.py --present node-packages.txt [--python 3.12] [--fmnist DIR]
+    (`make offline-kit PRESENT=node-packages.txt` runs the same; copy .whl/ over)
 
 An offline GPU node usually has a Python with torch and a list of other packages, and no way
 to reach PyPI. Run this on a machine that can, with --present naming what the node already has
-(`pip freeze` or `pip list --format=freeze` run there, or one name per line). It writes
-  .whl/*.whl                 manylinux wheels, for the node's Python (--python) on Linux x86_64,
-                             of what ssl-vit needs there (ROOTS) and everything those require,
-                             found by reading each wheel's Requires-Dist under the node's
-                             markers, stopping at what --present lists;
-  .whl/deepspeed-site.tgz    the deepspeed package as installed here (PyPI has no wheel of it;
-                             its ops compile on first use, so the Python files suffice);
-  .fmnist/                   Fashion-MNIST's four IDX files (the study's data).
-benchmarks/gpu_check.sh and studies/mpp_fashion_mnist/gpu_track.sh install from there.
+(`pip freeze` or `pip list --format=freeze` run there, or one name per line). It writes .whl/:
+  ssl_vit-*.whl              this tree, built as a wheel (rebuilt on every run);
+  deepspeed-*.whl            the deepspeed package as installed here, packed as a wheel (PyPI
+                             has only its source; its ops compile on first use, so the Python
+                             files suffice);
+  the other *.whl            manylinux wheels, for the node's Python (--python) on Linux x86_64,
+                             of what `ssl-vit[node]` requires (pyproject.toml: the base
+                             dependencies and the `node` extra, or --extras) and everything
+                             those require, found by reading each wheel's Requires-Dist under
+                             the node's markers, stopping at what --present lists.
+With --fmnist DIR, Fashion-MNIST's four IDX files from DIR go to .fmnist/ too (the study's
+data). On the node, benchmarks/offline_install.sh (`make offline-install KIT=.whl`) installs
+the kit with pip, the package index switched off.
 Versions are this venv's, so the node runs the code the test suite tested. A wheel already in
 .whl is kept (the job resumes); a second version of one package is refused, since pip would stop
 on it.
@@ -22,12 +26,15 @@ on it.
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import importlib.metadata as md
+import importlib.util
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
+import tempfile
 import zipfile
 from collections.abc import Callable, Iterable
 from email.parser import HeaderParser
@@ -36,8 +43,11 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-# What ssl-vit imports on a GPU node beyond torch, timm and numpy (deepspeed travels apart).
-ROOTS = ("webdataset", "mlflow-skinny", "sqlalchemy", "alembic")
+PROJECT = "ssl-vit"
+# Built from its installed files, not downloaded: PyPI has no wheel of it.
+REPACKED = ("deepspeed",)
+# What a wheel of this tree is built from (pyproject.toml packs ssl_vit/ alone).
+SOURCES = ("pyproject.toml", "README.md", "ssl_vit")
 # The node's interpreter and platform, for evaluating environment markers (--python sets the
 # version).
 TARGET = {
@@ -84,28 +94,36 @@ def present_names(text: str) -> set[str]:
     return names
 
 
-def needs(requires_dist: Iterable[str]) -> list[str]:
-    """The names a package requires on the target (extras not asked for are dropped)."""
+def needs(requires_dist: Iterable[str], extras: Iterable[str] = ()) -> list[str]:
+    """What a package requires on the target, with `extras` of it asked for (others are
+    dropped): names, with the extras asked of them (`cuda-toolkit[cudart,nvrtc]`)."""
+    envs = [TARGET, *({**TARGET, "extra": e} for e in extras)]
     out = []
     for spec in requires_dist:
         req = Requirement(spec)
-        if req.marker is None or req.marker.evaluate(TARGET):
-            out.append(canonical(req.name))
+        if req.marker is None or any(req.marker.evaluate(env) for env in envs):
+            asked = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+            out.append(canonical(req.name) + asked)
     return out
 
 
 def closure(
     roots: Iterable[str], present: set[str], requires: Callable[[str], list[str]]
 ) -> list[str]:
-    """Every package reachable from `roots` through `requires`, not crossing `present`."""
+    """Every package reachable from `roots` through `requires`, not crossing `present`. A
+    package asked again with extras not asked before is read again, with all of them."""
     kit: list[str] = []
-    todo = [canonical(r) for r in roots]
+    asked: dict[str, set[str]] = {}
+    todo = list(roots)
     while todo:
-        name = todo.pop(0)
-        if name in present or name in kit:
+        req = Requirement(todo.pop(0))
+        name, extras = canonical(req.name), set(req.extras)
+        if name in present or (name in asked and extras <= asked[name]):
             continue
-        kit.append(name)
-        todo.extend(requires(name))
+        if name not in asked:
+            kit.append(name)
+        asked[name] = asked.get(name, set()) | extras
+        todo.extend(requires(f"{name}[{','.join(sorted(asked[name]))}]" if asked[name] else name))
     return kit
 
 
@@ -157,13 +175,79 @@ def fetch(name: str, folder: Path) -> Path:
     return got
 
 
-def pack_deepspeed(folder: Path) -> list[str]:
-    """deepspeed's installed Python files as a tarball; returns what it requires."""
-    dist = md.distribution("deepspeed")
-    src = Path(dist.locate_file("deepspeed"))
-    with tarfile.open(folder / "deepspeed-site.tgz", "w:gz") as tar:
-        tar.add(src, "deepspeed", filter=lambda t: None if "__pycache__" in t.name else t)
-    return needs(dist.requires or [])
+def _record_line(arcname: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{arcname},sha256={digest},{len(data)}"
+
+
+def repack_installed(name: str, folder: Path) -> Path:
+    """A wheel of `name` as installed here, from its RECORD: the package's files, its scripts
+    (shebangs made `#!python`, which pip rewrites for the node's interpreter) and its metadata,
+    without what pip wrote at install time. Pure-Python installs only."""
+    dist = md.distribution(name)
+    have = wheel_of(name, folder)
+    if have is not None and have.name.split("-")[1] == dist.version:
+        return have
+    if have is not None:
+        have.unlink()  # another version: this venv's is the one the suite tested
+    info = HeaderParser().parsestr(dist.read_text("WHEEL") or "")
+    tags = info.get_all("Tag") or []
+    if info.get("Root-Is-Purelib", "").lower() != "true" or not all(
+        t.endswith("-none-any") for t in tags
+    ):
+        sys.exit(f"{name}: installed as {tags or 'no wheel'}, not pure Python; cannot repack it")
+    stem = f"{re.sub(r'[-_.]+', '_', dist.metadata['Name'])}-{dist.version}"
+    data_dir, lines = f"{stem}.data", []
+    dest = folder / f"{stem}-{tags[0].split('-', 1)[0]}-none-any.whl"
+    part = dest.with_suffix(".part")
+    skip = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
+    with zipfile.ZipFile(part, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in dist.files or []:
+            rel = f.as_posix()
+            if "__pycache__" in f.parts or rel.endswith(".pyc"):
+                continue
+            if ".dist-info/" in rel and f.name in skip:
+                continue
+            data = Path(f.locate()).read_bytes()
+            if rel.startswith("../"):  # a script in the environment's bin/
+                if f.parent.name != "bin":
+                    continue
+                rel = f"{data_dir}/scripts/{f.name}"
+                head, sep, rest = data.partition(b"\n")
+                if head.startswith(b"#!") and b"python" in head:
+                    data = b"#!python" + sep + rest
+            z.writestr(rel, data)
+            lines.append(_record_line(rel, data))
+        meta = next(f for f in dist.files or [] if f.match("*.dist-info/METADATA"))
+        record = f"{meta.parent.as_posix()}/RECORD"
+        z.writestr(record, "\n".join([*lines, f"{record},,"]) + "\n")
+    part.replace(dest)
+    return dest
+
+
+def build_project(folder: Path) -> Path:
+    """This tree as a wheel, built from a copy of its sources (a build/ left in the tree by an
+    older build could add modules deleted since); replaces an older one in `folder`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        for part in SOURCES:
+            if (ROOT / part).is_dir():
+                shutil.copytree(
+                    ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__")
+                )
+            else:
+                src.mkdir(exist_ok=True)
+                shutil.copy2(ROOT / part, src / part)
+        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, str(src)]
+        if importlib.util.find_spec("setuptools") is not None:
+            cmd.insert(5, "--no-build-isolation")  # no download of setuptools for each build
+        if subprocess.run(cmd).returncode != 0:
+            sys.exit(f"pip could not build a wheel of {ROOT}")
+        (built,) = Path(tmp).glob("*.whl")
+        old = wheel_of(PROJECT, folder)
+        if old is not None:
+            old.unlink()
+        return Path(shutil.move(built, folder / built.name))
 
 
 def copy_fmnist(src: Path, dest: Path) -> None:
@@ -171,8 +255,20 @@ def copy_fmnist(src: Path, dest: Path) -> None:
     for stem in FMNIST_FILES:
         hits = [p for p in (src / stem, src / f"{stem}.gz") if p.is_file()]
         if not hits:
-            sys.exit(f"{src}: no {stem}[.gz]; install dataset-fashion-mnist or pass --fmnist")
+            sys.exit(f"--fmnist {src}: no {stem}[.gz] (Debian's dataset-fashion-mnist has them)")
         shutil.copy2(hits[0], dest / hits[0].name)
+
+
+def kit_requires(spec: str, folder: Path, project_extras: list[str]) -> list[str]:
+    """What `spec` (a name, with extras) requires on the node, from its wheel in `folder`
+    (built or fetched here)."""
+    req = Requirement(spec)
+    name = canonical(req.name)
+    if name == PROJECT:
+        return needs(wheel_requires(build_project(folder)), project_extras)
+    if name in REPACKED:
+        return needs(wheel_requires(repack_installed(name, folder)), req.extras)
+    return needs(wheel_requires(fetch(name, folder)), req.extras)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,30 +282,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default="3.12", help="the node's Python version (major.minor)")
     p.add_argument("--out", type=Path, default=ROOT / ".whl", help="the wheels' folder")
     p.add_argument(
+        "--extras",
+        default="node",
+        help="extras of ssl-vit to pack, comma-separated (pyproject.toml; default: node)",
+    )
+    p.add_argument(
         "--fmnist",
         type=Path,
-        default=Path("/usr/share/datasets/fashion-mnist"),
-        help="Fashion-MNIST's IDX files here go to .fmnist/",
+        help="a folder with Fashion-MNIST's IDX files: copied to .fmnist/ beside the wheels",
     )
     args = p.parse_args(argv)
     if not args.present.is_file():
         p.error(f"--present {args.present}: not a file")
-    present = present_names(args.present.read_text())
+    present = present_names(args.present.read_text()) - {PROJECT}
     TARGET["python_version"] = TARGET["python_full_version"] = args.python
-    args.out.mkdir(exist_ok=True)
+    extras = [e.strip() for e in args.extras.split(",") if e.strip()]
+    args.out.mkdir(parents=True, exist_ok=True)
 
-    ds_needs = pack_deepspeed(args.out)
-    kit = closure([*ROOTS, *ds_needs], present, lambda n: needs(wheel_requires(fetch(n, args.out))))
+    kit = closure([PROJECT], present, lambda n: kit_requires(n, args.out, extras))
     for w in args.out.glob("*.whl"):  # an older kit's wheel that nothing requires now
         if canonical(w.name.split("-")[0]) not in kit:
             w.unlink()
-    copy_fmnist(args.fmnist, ROOT / ".fmnist")
-    size = sum(f.stat().st_size for d in (args.out, ROOT / ".fmnist") for f in d.iterdir())
-    print(
-        f"{len(kit)} wheels + deepspeed-site.tgz in {args.out}, Fashion-MNIST in .fmnist: "
-        f"{size / 2**20:.1f} MiB"
-    )
+    (args.out / "deepspeed-site.tgz").unlink(missing_ok=True)  # older kits' deepspeed
+    size = sum(f.stat().st_size for f in args.out.iterdir())
+    print(f"{len(kit)} wheels in {args.out}: {size / 2**20:.1f} MiB")
     print("wheels: " + ", ".join(sorted(kit)))
+    if args.fmnist is not None:
+        copy_fmnist(args.fmnist, ROOT / ".fmnist")
+        print(f"Fashion-MNIST in {ROOT / '.fmnist'}")
     return 0
 
 

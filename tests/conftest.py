@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "test_mlflow_native",  # 237 s
     "test_preemption",  # ~150 s (3 two-rank launches, each stopped by a signal)
     "test_remote_shards",  # ~130 s (2 trainings, a 2-rank launch, S3 and HTTP servers)
+    "test_offline_kit",  # ~150 s (the kit installed in a fresh venv, 2 trainings in it)
     "test_elastic",  # ~60 s
     "test_checkpoint_failover",  # ~80 s (real launches: damaged, deleted, full-disk checkpoints)
     "test_non_square",  # ~100 s (pretraining, kNN, probe and fine-tune, two sets)

@@ -6,6 +6,7 @@ Tiny ViTs on the 16x16 toy shards of conftest; each test is a few dozen steps.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -104,6 +105,29 @@ def test_pretrain_exports_tracks_and_resumes(tiny_shards, tmp_path, mlflow_db):
     assert sorted(m.step for m in history) == [2, 4, 6, 8, 10, 12]
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.yaml", "ds_config.json", "export", "loss_curve.png"} <= artifacts
+
+
+def test_a_run_without_matplotlib_exports_tracks_and_registers(tiny_shards, tmp_path, mlflow_db):
+    """A node without matplotlib: the loss plot is one warning, and the run still exports,
+    logs the export, ends FINISHED in MLflow and registers the model."""
+    shadow = tmp_path / "site" / "matplotlib"  # found ahead of the real one: its import fails
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    run_dir = tmp_path / "run"
+    args = overrides(tiny_shards, run_dir, mlflow_db, "train.steps=4", "tracking.register_as=tiny")
+    env = {"PYTHONPATH": os.pathsep.join([str(shadow.parent), str(ROOT)])}
+    proc = run_cli(["pipelines/mpp_pretrain.py", *args], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "not drawn" in ln]
+    assert len(lines) == 1 and "loss plot not drawn (ImportError: No module named" in lines[0]
+    assert (run_dir / "export" / "backbone.json").is_file()
+    assert not (run_dir / "loss_curve.png").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{mlflow_db}")
+    run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
+    assert run.info.status == "FINISHED"
+    assert "export" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    (version,) = client.search_model_versions("name='tiny'")
+    assert version.run_id == run.info.run_id
 
 
 def test_a_relaunch_that_changes_the_config_is_on_the_run(tiny_shards, tmp_path, mlflow_db):

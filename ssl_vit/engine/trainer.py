@@ -64,6 +64,7 @@ from ssl_vit.engine.precision import run_precision, step_timer
 from ssl_vit.engine.preflight import check_data
 from ssl_vit.engine.run_tracker import open_run_tracker, register_run, save_run_id
 from ssl_vit.engine.stop import Stopped, StopSignals
+from ssl_vit.figures import optional_figure
 from ssl_vit.io import atomic_write_text
 from ssl_vit.perf import count_train_flops, mfu_peaks
 from ssl_vit.tracking import Tracker
@@ -419,7 +420,9 @@ def train(cfg: Config, header: str = "") -> Path:
         with run.compiler.eager():
             run.export(export_dir, {**meta, "step": count.step})  # every rank: ZeRO gathers
             if rank == 0:
-                plot = write_loss_plot(run.metrics_file, run.run_dir / "loss_curve.png")
+                plot = optional_figure(
+                    "loss plot", write_loss_plot, run.metrics_file, run.run_dir / "loss_curve.png"
+                )
                 tracker.log_artifact(export_dir, artifact_path="export")
                 if plot is not None:
                     tracker.log_artifact(plot)
@@ -638,6 +641,11 @@ def write_loss_plot(metrics_file: Path, out: Path) -> Path | None:
         axes[1].legend()
         axes[1].grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.tmp.png")  # a failed save leaves no half-written PNG
+    try:
+        fig.savefig(tmp, dpi=110)
+        tmp.replace(out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out

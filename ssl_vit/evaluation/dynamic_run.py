@@ -32,6 +32,7 @@ from ssl_vit.evaluation.report import (
     log_to_mlflow,
     write_results,
 )
+from ssl_vit.figures import optional_figure
 from ssl_vit.models import load_backbone
 from ssl_vit.objectives.export import load_objective
 from ssl_vit.registry import resolve_export
@@ -246,7 +247,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     out = Path(args.out)
-    png = plot(
+    png = optional_figure(
+        "accuracy-vs-GFLOPs plot",
+        plot,
         results["budgets"],
         results["singles"],
         results["matched"],
@@ -273,7 +276,7 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
         parent_run_id=results["pretrain_run_id"],
         results_path=path,
         tracking_uri=args.tracking_uri,
-        artifacts=(png,),
+        artifacts=(png,) if png else (),
     )
     if rid:
         results["mlflow_run_id"] = rid

@@ -8,10 +8,11 @@
 #                                                              # later: wait for them, collect
 #
 # Where nothing can be installed (a GPU node with torch and timm but no internet), the other
-# dependencies travel beside the tree: .whl/*.whl (webdataset, mlflow-skinny and their needs for
-# the node's Python), .whl/deepspeed-site.tgz (the pure-Python deepspeed package) and the
-# Fashion-MNIST IDX files in .fmnist/, all written by `make offline-kit PRESENT=<the node's pip
-# freeze>` (benchmarks/offline_kit.py; about 50 MiB). Elsewhere `pip install -e .` and FMNIST=DIR do.
+# dependencies travel beside the tree: .whl/ (ssl-vit[node] and what it needs beyond the node's
+# packages, for its Python) and the Fashion-MNIST IDX files in .fmnist/, both written by
+# `make offline-kit PRESENT=<the node's pip freeze> FMNIST_KIT=<IDX folder>`
+# (benchmarks/offline_kit.py); the kit goes into a virtual environment over PY as
+# benchmarks/offline_install.sh puts it there. Elsewhere `pip install -e .` and FMNIST=DIR do.
 #
 # CHAINS: the steps, chains separated by ';', each chain's steps run one after the other by
 # `study.py run --only` (a step with a committed result is skipped). The default is issue 38's
@@ -47,10 +48,11 @@ export PYTHONUNBUFFERED=1
 if [ "$MODE" = start ]; then
     rm -rf "$WORK" && mkdir -p "$WORK" && cp -a . "$WORK"/ && cd "$WORK" || exit 1
     if [ -d "$WHEELS" ]; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-            "$WHEELS"/*.whl && tar -xzf "$WHEELS"/deepspeed-site.tgz -C /tmp/site || exit 1
+        PY=$PY bash benchmarks/offline_install.sh "$WHEELS" /tmp/gpu_track_venv -q --no-compile \
+            --no-cache-dir || exit 1
+        PY=/tmp/gpu_track_venv/bin/python
     fi
-    echo "export PYTHONPATH=/tmp/site:$WORK STUDY_GIT_COMMIT=${STUDY_GIT_COMMIT:-}" >env.sh
+    echo "export PY=$PY PYTHONPATH=$WORK STUDY_GIT_COMMIT=${STUDY_GIT_COMMIT:-}" >env.sh
     . ./env.sh
     nvidia-smi -L
     $PY -c "import torch, deepspeed, webdataset, mlflow, timm; print('torch', torch.__version__,
