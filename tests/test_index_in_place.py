@@ -225,3 +225,24 @@ def test_pretraining_from_an_indexed_set_over_http_matches_make_shards(
     assert results["indexed"][0] == pytest.approx(results["made"][0], rel=1e-5)
     assert results["indexed"][1] == results["made"][1] and results["made"][1]
     assert sum(n for p, n in server.bytes_sent.items() if p.startswith("tr-")) > 0
+
+
+def test_a_set_in_a_bucket_or_named_by_a_list_file_is_indexed_where_it_is(tmp_path, s3) -> None:
+    """A bucket prefix is listed for its shards; a list file names them (paths relative to
+    it); both give the manifest the folder on disk gives."""
+    src = shardwriter_set(tmp_path / "set")
+    s3.upload_folder(src, "s3://corpora/set")
+    listing = tmp_path / "shards.txt"
+    listing.write_text("# the set\nset/data-000000.tar\nset/data-000001.tar\nset/data-000002.tar\n")
+    assert index(str(src), "--out", str(tmp_path / "disk"))[0] == 0
+    for source, out in (("s3://corpora/set", "bucket"), (str(listing), "list")):
+        rc, text = index(source, "--out", str(tmp_path / out))
+        assert rc == 0, text
+        m = load_manifest(tmp_path / out / "manifest.json")
+        disk = load_manifest(tmp_path / "disk" / "manifest.json")
+        assert m.splits == disk.splits and m.mean == disk.mean
+        assert m.shards_root == ("s3://corpora/set" if out == "bucket" else str(src))
+    assert labels_of(str(tmp_path / "bucket" / "manifest.json")) == [i % 3 for i in range(90)]
+    listing.write_text("set/data-000000.tar\nelsewhere/data-000001.tar\n")
+    rc, text = index(str(listing), "--out", str(tmp_path / "two"))
+    assert rc == 1 and "2 folders" in text and "Traceback" not in text

@@ -112,9 +112,13 @@ def list_shards(source: str) -> tuple[str, list[str]]:
 
 
 def _list_file(path: Path) -> tuple[str, list[str]]:
+    """A list of shard paths or URLs (paths relative to the list's folder), `#` comments."""
     lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
     urls = [ln for ln in lines if ln and not ln.startswith("#")]
+    urls = [u if "://" in u or u.startswith("/") else str(path.parent / u) for u in urls]
     folders = {u.rpartition("/")[0] for u in urls}
+    if not urls:
+        raise IndexJobError(f"{path}: lists no shards")
     if len(folders) > 1:
         raise IndexJobError(
             f"{path}: lists shards of {len(folders)} folders; a shard set is one folder "
