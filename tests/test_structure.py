@@ -14,12 +14,16 @@ The rules:
   engine, tracking or inspect, or a loose ssl_vit/*.py module, imports nothing of
   ssl_vit.evaluation; and ssl_vit/tracking/, the bottom layer for MLflow, imports no loose module
   that imports ssl_vit.engine or ssl_vit.evaluation;
-- the library imports nothing of the entry scripts (pipelines/, evals/, data_prep/).
+- the library imports nothing of the entry scripts (pipelines/, evals/, data_prep/);
+- MPP pretraining (ssl_vit.engine.trainer and everything it reaches, and what
+  pipelines/mpp_pretrain.py imports with all it reaches) reaches no cascade, Dynamic ViT or sweep
+  module: those are other kinds of training, loaded only when asked for.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from conftest import ROOT
 
 LIB = ROOT / "ssl_vit"
 PACKAGES = ("data", "models", "objectives", "engine", "tracking", "inspect")
+NOT_FOR_MPP = re.compile(r"cascade|dynamic|sweep")
 
 
 def module_name(path: Path) -> str:
@@ -173,3 +178,12 @@ def test_the_library_imports_no_entry_script():
     ]
     assert bad == []
 
+
+def test_mpp_pretraining_reaches_no_cascade_dynamic_or_sweep_module():
+    script = ROOT / "pipelines" / "mpp_pretrain.py"
+    roots = {"ssl_vit.engine.trainer"}
+    roots |= {e for n in imported_names(script, "pipelines.mpp_pretrain") for e in edges("", n)}
+    assert "ssl_vit.engine.cli" in roots
+    reached = reach(roots)
+    assert "ssl_vit.objectives.mpp" in reached
+    assert sorted(m for m in reached if NOT_FOR_MPP.search(m)) == []
