@@ -160,7 +160,7 @@ def _check(cfg, args, world: int) -> int:
             in_chans = cfg.model.in_chans or plans[n].manifest.channels
     # timm loads only now: a bad value or shard set answers before it (check_model loads it
     # itself when the data is checked).
-    from ssl_vit.engine.memory import describe, estimate
+    from ssl_vit.engine.gpu_memory import describe, estimate
 
     if args.no_data and not cfg.model.init_from:  # as check_data does: one line, not a traceback
         check_backbone(cfg, in_chans)
