@@ -7,7 +7,7 @@ FMNIST  ?= /usr/share/datasets/fashion-mnist
 SHARDS  ?= shards/fashion-mnist
 RUN     ?= runs/quickstart
 
-.PHONY: setup quickstart test lint fuzz bench fashion-mnist offline-kit offline-install
+.PHONY: setup quickstart test test-fast lint fuzz bench fashion-mnist offline-kit offline-install
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,8 +43,13 @@ quickstart: setup fashion-mnist $(SHARDS)/manifest.json
 # most of its time is real launches (DeepSpeed ranks, MLflow servers) whose start-up uses one
 # core. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= auto
+XDIST   := -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q $(XDIST)
+
+# The suite without the tests marked slow (the real launches: DeepSpeed ranks, MLflow servers).
+test-fast: setup
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow"
 
 # What a GPU node without internet lacks, as wheels in .whl/: ssl-vit itself and everything
 # 'ssl-vit[node]' requires (pyproject.toml) that the node does not have. PRESENT: the node's

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ssl_vit import readout
 from ssl_vit.data.manifest import load_manifest
-from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR
+from ssl_vit.feature_options import DEFAULT_CACHE_DIR
 from ssl_vit.io import atomic_write_bytes, sha256_file
 from ssl_vit.readout import POOLS, readout_name
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ssl_vit.evaluation.options import POOLS
+from ssl_vit.feature_options import POOLS
 
 __all__ = [
     "POOLS",

@@ -1,7 +1,7 @@
 """Backbones in MLflow, the model registry and run artifacts: `resolve_export` turns
 `runs:/RUN_ID/export`, `models:/NAME/VERSION`, `models:/NAME@ALIAS` or `models:/NAME/latest`
 into a local, verified export folder (a plain path comes back as given); `register_export`
-makes a run's export a registered model version.
+(ssl_vit.tracking.store) makes a run's export a registered model version.
 
 Downloads are cached under $SSL_VIT_MLFLOW_CACHE (else ~/.cache/ssl-vit/mlflow), keyed by the
 sha256 of the export's backbone.json, fetched first, which lists every file's sha256: `runs:/`
@@ -27,7 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from ssl_vit.io import sha256_file
-from ssl_vit.tracking.store import open_client, resolve_uri
+from ssl_vit.tracking.store import client_for, register_export, resolve_uri
+
+# Registering a run's export is MLflow tracking, so it lives in ssl_vit.tracking (whose command
+# `register` calls it); it is named here too, beside the resolution of what it registers.
+__all__ = ["ArtifactError", "ResolvedExport", "register_export", "resolve_export", "verify_export"]
 
 log = logging.getLogger("ssl_vit.tracking")
 PICKLES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
@@ -50,14 +54,6 @@ class ResolvedExport:
 def cache_root() -> Path:
     env = os.environ.get("SSL_VIT_MLFLOW_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "ssl-vit" / "mlflow"
-
-
-def client_for(store: str) -> Any:
-    """An MlflowClient that gives up on a dead server within seconds, not minutes of retries."""
-    if store.startswith(("http://", "https://")):
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    return open_client(store)
 
 
 def resolve_export(source: str | os.PathLike, *, tracking_uri: str | None = None) -> ResolvedExport:
@@ -215,43 +211,3 @@ def verify_export(folder: Path, label: str) -> None:
                 f"{label}: {path.name} is not a safetensors file "
                 f"({type(e).__name__}); ssl-vit loads safetensors only"
             ) from None
-
-
-def register_export(
-    tracking_uri: str,
-    name: str,
-    run_id: str,
-    *,
-    artifact_path: str = "export",
-    tags: dict[str, str] | None = None,
-) -> str | None:
-    """A new version of registered model `name` (created if new) from the run's export artifact,
-    so `models:/NAME/VERSION` resolves to the same files; its number, or None with a warning
-    naming the command that registers it later (server down, no registry)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client = client_for(tracking_uri)
-        try:
-            client.create_registered_model(name)
-        except MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-        if not client.list_artifacts(run_id, artifact_path):
-            raise ValueError(f"run {run_id} has no {artifact_path!r} artifact yet")
-        source = f"runs:/{run_id}/{artifact_path}"
-        version = client.create_model_version(name, source, run_id=run_id, tags=tags or {}).version
-        client.set_tag(run_id, "ssl_vit.registered_as", f"models:/{name}/{version}")
-    except Exception as e:
-        log.warning(
-            "not registered as %s (%s); the export is kept: once the store is back, run "
-            "`python -m ssl_vit.tracking register %s %s --tracking-uri %s`",
-            name,
-            (str(e).splitlines() or [type(e).__name__])[0][:200],
-            run_id,
-            name,
-            tracking_uri,
-        )
-        return None
-    log.info("registered %s as models:/%s/%s", source, name, version)
-    return str(version)

@@ -1,56 +1,17 @@
 """Streaming input from a shard set: split by rank and worker, shuffle, decode, augment, batch.
 
-webdataset gives pipe: URLs (its gopen) and the shuffle buffer. The rest is ours: equal
-per-stream quotas at any stream count (webdataset hands out whole shards, so with fewer shards
-than streams ranks run unequal step counts), an exact mid-epoch resume, remote files through
-fsspec's ranged reads (which the offset index needs), and the tar parsing (tar_reader).
-
-Public API:
-
     loader = make_train_loader(root, "train", global_batch=4096, rank=r, world_size=ws,
                                num_workers=8, img_size=224, seed=0, epoch=0, skip_batches=0)
     for images, labels in loader:      # images uint8 (B, C, H, W), labels int64 (B,)
         ...                            # B = global_batch // world_size; len(loader) batches
     loader.set_epoch(epoch + 1)        # next epoch (skip_batches back to 0)
-    loader.num_skipped                 # corrupt / lost samples met so far, all workers together
-
     for images, labels in make_eval_loader(root, "test", batch_size=256, img_size=224):
         ...                            # every sample once, in manifest order (rank's part)
 
-Train loader. Every rank runs exactly `steps_per_epoch = num_samples // global_batch` batches
-per epoch, whatever the shard count, so DDP never hangs. Which samples each stream (one worker
-of one rank) reads is ssl_vit.data.stream_plan. Shard order, buffer shuffle and augmentation
-are seeded by (seed, epoch, stream, position), so an epoch is reproducible. `loader.read_factor`
-is how many times the epoch's plan reads the shard set; `loader.counter` counts what was read.
-
-Workers live across epochs (persistent): `set_epoch` writes the epoch to shared memory, where
-each worker reads it when the next epoch's iteration starts. Batches travel from the workers
-through shared memory (/dev/shm on Linux); `check_shared_memory` refuses, in one line, a loader
-that would not fit there (a container's default /dev/shm is 64 MB).
-
-Resume: `skip_batches=k` yields exactly the batches k.. of the same epoch (same seed, world size
-and num_workers): skipped samples are read from the tar but never decoded. Worker w of the
-resumed loader plays the role of worker (k + w) % W of the uninterrupted one, which keeps
-torch's round-robin worker order aligned with the global batch order.
-
-Bad data. A corrupt sample (undecodable image, bad or missing .cls, no image) is skipped and
-counted, its place in the batch taken by a copy of a good sample of the same batch (fixed batch
-shapes keep resume exact). A truncated or vanished shard ends early; its missing samples are
-counted. `loader.num_skipped` and `loader.num_shard_errors` live in shared memory (they lag
-the consumed batches by the prefetch depth). A shard missing at construction is a one-line
-ManifestError (missing="error"), or dropped with a warning (missing="skip"). Reading shards and
-the counters: ssl_vit.data.shards; the two IterableDatasets: ssl_vit.data.datasets.
-
-Held-out samples. `holdout_fraction=f` (ssl_vit.data.holdout) removes a fixed, hashed share
-f of the split's samples (by manifest index) from the train loader: no stream ever yields them,
-and the epoch length counts only the rest. `make_eval_loader(..., holdout_fraction=f)` yields
-exactly those samples (and nothing else), split over ranks like a split of its own.
-`train_fraction=t` < 1 also removes all but a hashed share t of the rest (label-scarce
-fine-tuning, ssl_vit.data.holdout).
-
-Eval loader: each rank gets the contiguous manifest range [N*rank//ws, N*(rank+1)//ws), in
-order, in batches of `batch_size` (the last, or one holding corrupt samples, may be smaller; a
-corrupt sample is dropped and counted). `with_keys=True` adds the sample keys as a third item.
+webdataset gives pipe: URLs and the shuffle buffer; equal per-stream quotas, the exact
+mid-epoch resume, ranged remote reads and the tar parsing are ours. What the loaders guarantee
+(equal step counts, resume, bad data, held-out samples, shared memory): docs/streaming.md,
+"The loaders' contract".
 """
 
 from __future__ import annotations

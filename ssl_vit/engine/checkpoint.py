@@ -5,61 +5,13 @@
     RUN/checkpoints/step00000500/universal/   the same in DeepSpeed's universal format, made
                                               by a launch of another world size
     RUN/checkpoints/latest                    the newest complete one's tag, replaced atomically
-    RUN/checkpoints/step00000500.damaged/     one a resume found damaged, set aside (deleted
-                                              by the next save)
+    RUN/checkpoints/step00000500.damaged/     one a resume found damaged, set aside
 
-DeepSpeed writes into `<tag>.partial/`; only when every rank has finished, rank 0 has written
-trainer_state.json and checksums.json (every file's size and sha256) is it renamed to `<tag>/`
-and `latest` replaced (temp file + rename). A kill at any moment therefore leaves `latest`
-naming a complete checkpoint, and a leftover `.partial` folder is deleted on the next resume
-or save. Every rank must call `save` (DeepSpeed shards optimizer state across ranks), `find`
-and `restore` (rank 0 decides which checkpoint and tells the others: no rank starts
-elsewhere). The run directory must be on storage all ranks share: `check_shared` refuses to
-start otherwise.
-
-Fail-over. `find` checks the checkpoint `latest` names before anything loads it: its
-trainer_state.json parses and names its step, every file checksums.json lists is there with
-its size and sha256. A damaged one (a truncated or deleted file, a folder deleted, a `latest`
-that is unreadable or names nothing) is reported in one line and the newest intact `step*`
-folder is resumed instead; the damaged one is renamed `<tag>.damaged`. Only when none is
-intact does the launch stop, with one line. A checkpoint saved before checksums.json existed
-is accepted as it is and checked only by loading it; a load that DeepSpeed rejects stops with
-one line naming the checkpoint.
-
-Cost of the checksums. Every byte of a checkpoint is read back once when it is saved and once
-when a launch resumes from it: sha256 itself runs at about 1.3 GB/s on one core with SHA
-instructions, so on a shared file system the reads are what costs. The files are spread over
-the ranks to hash: each rank's ZeRO partition file by that rank (which wrote it, so its pages
-are often still in that node's cache), the rest largest first to the least loaded rank; a
-save or resume waits for the rank with the largest share. A ViT-L with AdamW saves about 5 GB
-(16 bytes a parameter): under ZeRO-1/2 on 8 ranks the largest share is the 1.2 GB
-model-states file plus one 0.5 GB partition, about 8 s at 200 MB/s; at ZeRO-0 the optimizer
-state is one 5 GB file that one rank reads, about 25 s. Both stay far inside the process
-group's timeout, which the other ranks wait under.
-
-Full disk. Before writing, rank 0 compares the free space of the checkpoint folder with what
-the save needs (the previous checkpoint's size, or an estimate from the parameter count) and,
-if short, deletes now the old checkpoints that pruning would delete after the save anyway
-(never the newest one), or stops with one line. A write that fails anyway (ENOSPC, a quota)
-stops with one line and removes the partial folder, so the relaunch has its space back.
-
-Another world size (a node lost, or added back). Under ZeRO >= 1 each rank saved only its
-partition of the fp32 weights and optimizer state, which a different number of ranks cannot
-load as it is. `resume` then has rank 0 convert the checkpoint once into DeepSpeed's universal
-format (one folder per parameter holding its whole fp32 value, Adam moments and step), into
-`<tag>/universal.partial/` renamed to `<tag>/universal/` when complete (`to_universal`), while
-the other ranks watch for it and for rank 0's heartbeat; every rank then loads it with
-DeepSpeed's universal load, which cuts each parameter into this world's partitions. Weights,
-moments and Adam's step count all continue. A stage-0 checkpoint needs none of this: rank 0
-saved the whole optimizer state in one file, which any world size loads.
-
-The data position does not carry over: each (rank, loader worker) stream reads its own part
-of an epoch (ssl_vit.data.stream_plan), so "batch k of epoch E" means other samples at another
-stream count. After a change of world size or data.num_workers in the middle of an epoch,
-that epoch restarts from its first batch in the new world's order while the step count goes
-on: the samples of its first k batches are seen twice, none is skipped, and later epochs are
-exact again. `replayed_steps` in trainer_state.json counts the steps so replayed over the
-run's life; the loader's position is `step - replayed_steps` batches.
+Every rank calls `save`, `find` and `restore` (rank 0 decides and tells the others); the run
+directory must be on storage all ranks share (`check_shared`). How a save stays atomic, how a
+damaged checkpoint is passed over, what the checksums cost and the free-space check:
+docs/training.md, "Checkpoints". Resuming at another world size (`to_universal`, the data
+position, `replayed_steps`): docs/multinode.md.
 """
 
 from __future__ import annotations

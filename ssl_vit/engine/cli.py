@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import shlex
@@ -89,6 +90,12 @@ def _preset_kind(path: str | None) -> str | None:
         return None
 
 
+def _sweep():
+    """ssl_vit.engine.sweep, fine-tuning's --sweep: loaded by name, as the objectives' registry
+    loads the cascade, so the pretraining pipelines never reach it."""
+    return importlib.import_module("ssl_vit.engine.sweep")
+
+
 def _world_sizes(text: str | None, world: int) -> list[int]:
     if not text:
         return [world]
@@ -153,7 +160,7 @@ def _check(cfg, args, world: int) -> int:
             in_chans = cfg.model.in_chans or plans[n].manifest.channels
     # timm loads only now: a bad value or shard set answers before it (check_model loads it
     # itself when the data is checked).
-    from ssl_vit.engine.memory import describe, estimate
+    from ssl_vit.engine.gpu_memory import describe, estimate
 
     if args.no_data and not cfg.model.init_from:  # as check_data does: one line, not a traceback
         check_backbone(cfg, in_chans)
@@ -185,9 +192,8 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size=world)
         if getattr(args, "sweep", None):
-            from ssl_vit.engine.sweep import check_sweep, parse_sweep
-
-            check_sweep(args.config, overrides, *parse_sweep(args.sweep))
+            sweep = _sweep()
+            sweep.check_sweep(args.config, overrides, *sweep.parse_sweep(args.sweep))
         if args.check:
             return _check(cfg, args, world)
     except (ConfigError, ManifestError) as e:
@@ -202,9 +208,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
 
     try:
         if getattr(args, "sweep", None):
-            from ssl_vit.engine.sweep import run_sweep
-
-            run_sweep(args.config, overrides, args.sweep, header, train)
+            _sweep().run_sweep(args.config, overrides, args.sweep, header, train)
         else:
             train(cfg, header=header)
     except (ConfigError, ManifestError, CheckpointError, BarrierTimeout) as e:

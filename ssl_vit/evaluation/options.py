@@ -6,11 +6,19 @@ answer before torch, timm or FAISS load (seconds); the evaluators import them fr
 
 from __future__ import annotations
 
-# Read-outs of a backbone (ssl_vit.readout). auto: [class] when the pretraining trained it, else
-# mean (ssl_vit.features.resolve_pool); tokens: the patch tokens concatenated in grid order,
-# (B, N*D): the spatial layout kept.
-POOLS = ("auto", "cls", "mean", "lastn", "tokens")
-DEFAULT_CACHE_DIR = ".cache/features"  # ssl_vit.features: extracted features, by identity
+# The read-outs and the feature cache belong to the feature extraction below the evaluators.
+from ssl_vit.feature_options import DEFAULT_CACHE_DIR, POOLS
+
+__all__ = [
+    "POOLS",
+    "DEFAULT_CACHE_DIR",
+    "DEFAULT_KS",
+    "DEFAULT_T",
+    "INDEX_KINDS",
+    "DEFAULT_SHOTS",
+    "DEFAULT_L2_GRID",
+    "DEFAULT_LR_GRID",
+]
 
 # kNN (DINO's protocol): neighbour counts, vote temperature, FAISS index kinds
 DEFAULT_KS = (10, 20, 100, 200)

@@ -14,6 +14,7 @@ builds it. Weight decay: `param_groups(objective, weight_decay)` gives the optim
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,6 @@ from timm.optim import param_groups_weight_decay
 from torch import nn
 
 from ssl_vit.config import OBJECTIVE_KINDS, ObjectiveConfig
-from ssl_vit.objectives.cascade import CascadeObjective
 from ssl_vit.objectives.mpp import MaskedPatchPrediction, MPPPrediction
 from ssl_vit.objectives.supervised import JointObjective, SupervisedObjective
 
@@ -114,20 +114,37 @@ def _finetune(backbone: nn.Module, **options: Any) -> SupervisedObjective:
     return SupervisedObjective(backbone, **{"head": "linear", **options})
 
 
-# kind -> builder. A new objective is one line here, its options in OPTIONS and its name in
-# ssl_vit.config.OBJECTIVE_KINDS (which validation reads without importing torch).
-OBJECTIVES: dict[str, Callable[..., nn.Module]] = {
+# kind -> builder, or "module:name" of a builder imported only when that kind is built: MPP
+# pretraining never loads the cascade (and the Dynamic ViT model under it). A new objective is
+# one line here, its options in OPTIONS and its name in ssl_vit.config.OBJECTIVE_KINDS (which
+# validation reads without importing torch).
+OBJECTIVES: dict[str, Callable[..., nn.Module] | str] = {
     "mpp": MaskedPatchPrediction,
     "supervised": SupervisedObjective,
     "joint": _joint,
     "finetune": _finetune,
-    "cascade": CascadeObjective,
+    "cascade": "ssl_vit.objectives.cascade:CascadeObjective",
 }
 if tuple(OBJECTIVES) != OBJECTIVE_KINDS:
     raise ImportError(
         f"ssl_vit.objectives registers {tuple(OBJECTIVES)} but ssl_vit.config.OBJECTIVE_KINDS "
         f"is {OBJECTIVE_KINDS}; name each objective in both"
     )
+
+
+def _builder(kind: str) -> Callable[..., nn.Module]:
+    builder = OBJECTIVES[kind]
+    if isinstance(builder, str):
+        module, name = builder.split(":")
+        builder = getattr(importlib.import_module(module), name)
+    return builder
+
+
+def __getattr__(name: str) -> Any:
+    """`CascadeObjective`, imported on first use (PEP 562), like the registry's kinds."""
+    if name == "CascadeObjective":
+        return _builder("cascade")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_objective(kind: str, backbone: nn.Module, **options: Any) -> nn.Module:
@@ -147,7 +164,7 @@ def build_objective(kind: str, backbone: nn.Module, **options: Any) -> nn.Module
     if unknown:
         raise ValueError(f"objective {kind!r}: unknown option(s) {unknown}; known: {OPTIONS[kind]}")
     try:
-        return OBJECTIVES[kind](backbone, **options)
+        return _builder(kind)(backbone, **options)
     except TypeError as e:  # a missing required option, e.g. num_classes
         raise ValueError(f"objective {kind!r}: {e}") from e
 

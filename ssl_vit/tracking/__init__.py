@@ -1,6 +1,6 @@
 """MLflow tracking on rank 0 that an unreachable store never stalls (`tracker`, `store`), and the
-command `python -m ssl_vit.tracking replay|register` (`cli`). Backbones by MLflow URI and the
-model registry: ssl_vit.registry."""
+command `python -m ssl_vit.tracking replay|register` (`cli`), a run's export registered as a model
+version (`store.register_export`). Backbones by MLflow URI: ssl_vit.registry."""
 
 from ssl_vit.tracking.cli import main
 from ssl_vit.tracking.store import DEFAULT_URI, PARENT_TAG

@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ssl_vit.tracking.store import Store, read_record, records, resolve_uri
+from ssl_vit.tracking.store import Store, read_record, records, register_export, resolve_uri
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,8 +27,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.cmd == "register":
-        from ssl_vit.registry import register_export
-
         uri = resolve_uri(args.tracking_uri)
         version = register_export(uri, args.name, args.run_id, artifact_path=args.artifact_path)
         if version is None:

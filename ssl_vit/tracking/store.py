@@ -1,5 +1,6 @@
-"""The MLflow side of tracking: a client per store, and `Store.sync`, which logs into a run what a
-Tracker's local record holds and the run lacks.
+"""The MLflow side of tracking: a client per store, `Store.sync`, which logs into a run what a
+Tracker's local record holds and the run lacks, and `register_export`, a run's export made a
+registered model version.
 
 A record is a JSONL file: first the run (store, experiment, name, id, key, tags, when the record
 began, the file to write the run's id to, and the metrics file, e.g. RUN/metrics.jsonl with a
@@ -59,6 +60,54 @@ def open_client(uri: str) -> Any:
     with open(Path(tempfile.gettempdir()) / f"ssl-vit-mlflow-{digest}.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes
         return MlflowClient(uri)
+
+
+def client_for(store: str) -> Any:
+    """An MlflowClient that gives up on a dead server within seconds, not minutes of retries."""
+    if store.startswith(("http://", "https://")):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    return open_client(store)
+
+
+def register_export(
+    tracking_uri: str,
+    name: str,
+    run_id: str,
+    *,
+    artifact_path: str = "export",
+    tags: dict[str, str] | None = None,
+) -> str | None:
+    """A new version of registered model `name` (created if new) from the run's export artifact,
+    so `models:/NAME/VERSION` resolves to the same files; its number, or None with a warning
+    naming the command that registers it later (server down, no registry)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client = client_for(tracking_uri)
+        try:
+            client.create_registered_model(name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        if not client.list_artifacts(run_id, artifact_path):
+            raise ValueError(f"run {run_id} has no {artifact_path!r} artifact yet")
+        source = f"runs:/{run_id}/{artifact_path}"
+        version = client.create_model_version(name, source, run_id=run_id, tags=tags or {}).version
+        client.set_tag(run_id, "ssl_vit.registered_as", f"models:/{name}/{version}")
+    except Exception as e:
+        log.warning(
+            "not registered as %s (%s); the export is kept: once the store is back, run "
+            "`python -m ssl_vit.tracking register %s %s --tracking-uri %s`",
+            name,
+            (str(e).splitlines() or [type(e).__name__])[0][:200],
+            run_id,
+            name,
+            tracking_uri,
+        )
+        return None
+    log.info("registered %s as models:/%s/%s", source, name, version)
+    return str(version)
 
 
 def _lines(path: Path, size: int | None = None) -> list[dict]:
