@@ -2,18 +2,13 @@
 
     python data_prep/index_shards.py SOURCE [SPLIT=SOURCE ...] [--out DIR]
 
-A SOURCE is a folder or URL of `*.tar` shards (img2dataset's output folder as it is), a brace
-pattern (`https://host/set/data-{000000..000099}.tar`) or a list file (one shard path or URL
-per line, all in one folder). Each shard is read once, front to back, by a pool of workers:
-its size, sha256, sample count, the byte offset of every `index_every`-th sample and the
-sha256 of each block between them (what readers check every read against, ssl_vit.data.blocks),
-its labels, and every image's size and mode from its header; one image in `stats_every` is
-decoded for the mean and std. The manifest goes beside the shards, or where --out says when the
-set is read-only; then it records where the shards are (`shards_root`) and readers are pointed
-at the manifest file (`data.root=DIR/manifest.json`).
-
-Finished shards are kept in `DIR/.index-work/` until the manifest is written: a rerun after a
-crash reads only the rest.
+A SOURCE is a folder or URL of `*.tar` shards, a brace pattern or a list file. Each shard is
+read once, front to back, by a pool of workers: size, sha256, sample count, the offset of every
+`index_every`-th sample and the sha256 of each block between them (ssl_vit.data.blocks), its
+labels, every image's size and mode from its header, and one image in `stats_every` decoded for
+the mean and std. The manifest goes beside the shards, or to --out with `shards_root` naming
+them. Finished shards wait in `DIR/.index-work/`, so a rerun after a crash reads only the rest.
+docs/data.md ("WebDataset sets made by other tools") says how to use it.
 """
 
 from __future__ import annotations

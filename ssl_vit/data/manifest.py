@@ -1,53 +1,16 @@
-"""The shard-set contract: `manifest.json` beside `{split}-{index:06d}.tar` shards.
+"""The shard-set contract: `manifest.json`, its dataclasses, and its strict loader.
 
-A shard set is a folder written by `data_prep/make_shards.py` and read by every later stage:
+A shard set is `{split}-{index:06d}.tar` WebDataset shards written by data_prep/make_shards.py,
+or a set made by another tool and indexed in place by data_prep/index_shards.py, with a
+manifest (format_version 1) listing every shard's count, bytes, sha256, sample offsets and
+block checksums, and the set's classes, channels, image size and mean/std. docs/data.md
+("Manifest") gives the schema, key by key.
 
-    OUT/
-      train-000000.tar ...   # WebDataset shards: {key}.png|jpg|webp, {key}.cls, {key}.json
-      test-000000.tar ...
-      manifest.json          # this module's schema (below)
-      errors.jsonl           # one JSON object per skipped input: {"source": ..., "reason": ...}
-
-manifest.json (format_version 1):
-
-    {
-      "format": "ssl-vit-shards",
-      "format_version": 1,
-      "splits": {
-        "train": {"num_samples": 60000,
-                  "shards": [{"name": "train-000000.tar", "num_samples": 5000,
-                              "bytes": 12345678, "sha256": "...",
-                              "offsets": [0, 309248, ...],
-                              "block_sha256": ["...", ...]}, ...]},
-        "test": {...}
-      },
-      "class_names": ["T-shirt/top", ...],   # null for an unlabelled set
-      "channels": 1,                         # 1 (grayscale) or 3 (RGB)
-      "image_size": [28, 28],                # [H, W] when every image has it, else null
-      "mean": [0.286], "std": [0.353],       # per channel, pixel values in [0, 1]
-      "stats_split": "train",                # the split mean/std were computed on
-      "num_skipped": 0,                      # lines in errors.jsonl
-      "index_every": 100,                    # "offsets" holds every 100th sample's byte offset
-      "created_by": {"tool": "...", "version": "...", "source": "...", "options": {...}}
-    }
-
-`offsets` (optional; shard sets made before it have none) is the byte offset in the tar of
-samples 0, index_every, 2 * index_every, ... of the shard: a reader that starts inside a shard
-seeks there (a ranged request for a remote shard) instead of reading the shard's head.
-`block_sha256` (optional too) holds the sha256 of each block between consecutive offsets, the
-last one running to the end of the file: what readers check every read against
-(ssl_vit.data.blocks).
-
-A WebDataset set made by another tool and indexed in place (data_prep/index_shards.py) keeps
-its shards' names (any plain `*.tar` name) and adds `"sample": {"image_keys": [...], "label":
-"cls" | "json:KEY" | null}`, the fields its images and labels are in; a manifest kept apart from
-its shards adds `"shards_root"`, where they are (an absolute path or an http(s)/s3/gs URL).
-
-`load_manifest` treats the file as untrusted: every value must have the type and range above,
-shard names must be `{split}-{digits}.tar` (SHARD_NAME: they are joined to the root, which may
-be a URL or a shell command), and each shard's offsets must start at 0, increase, lie inside
-the shard and number ceil(num_samples / index_every); anything else is a one-line ManifestError
-naming the entry and the key.
+`load_manifest` treats the file as untrusted: every value must have its type and range, shard
+names must be plain file names (`{split}-{digits}.tar` for make_shards' sets: they are joined
+to the root, which may be a URL or a shell command), offsets must be where a reader can seek;
+anything else is a one-line ManifestError naming the entry and the key. It also takes a
+manifest kept apart from its shards and brace patterns naming some shards of a set.
 
 This module depends only on the standard library so data_prep runs without torch.
 """

@@ -7,16 +7,11 @@
     for each batch: optimizer_step (objective -> backward -> step) -> log -> evaluate -> checkpoint
     export the backbone (fp32 master weights)
 
-A stop signal (run.stop_signals: SIGTERM, SIGUSR1) ends the loop at a step boundary agreed by
-every rank, with a checkpoint there, the MLflow run KILLED, and `Stopped` raised
-(ssl_vit/engine/stop.py).
-
-Running the same command again resumes the same run: model, optimizer, step, data position
-(epoch and batch) and MLflow run; with another number of ranks too, the interrupted epoch then
-restarting from its first batch (ssl_vit/engine/checkpoint.py). The learning rate is a function
-of the step count, set by us every step, so it never lags the step whatever DeepSpeed skips.
-Randomness is re-seeded from (seed, rank, step) at every step, so a resumed run draws the masks
-and augmentations it would have drawn.
+A stop signal ends the loop at a step every rank agrees on, with a checkpoint (engine/stop.py).
+Running the same command again resumes the same run, on any number of ranks: model, optimizer,
+step, data position and MLflow run; the lr is a function of the step and randomness is
+re-seeded from (seed, rank, step), so a resumed run draws what it would have drawn
+(docs/training.md, "The training loop").
 """
 
 from __future__ import annotations
