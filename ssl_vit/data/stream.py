@@ -216,11 +216,17 @@ def check_shared_memory(batch_bytes: int, num_workers: int, prefetch_factor: int
 
 
 def _common(
-    root: str | Path, split: str, num_workers: int, ctx: str | None, missing: str, verify: str
+    root: str | Path | Manifest,
+    split: str,
+    num_workers: int,
+    ctx: str | None,
+    missing: str,
+    verify: str,
 ):
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    manifest = load_manifest(root)
+    # the trainer hands over the manifest its preflight loaded: one read, one version of it
+    manifest = root if isinstance(root, Manifest) else load_manifest(root)
     shards = select_shards(manifest, split, missing, verify)  # type: ignore[arg-type]
     mp_ctx = worker_context(ctx, num_workers)
     return manifest, shards, mp_ctx, ReadCounter(mp_ctx)
@@ -239,7 +245,7 @@ def _dl_options(num_workers, pin_memory, prefetch_factor, timeout, ctx) -> dict[
 
 
 def make_train_loader(
-    root: str | Path,
+    root: str | Path | Manifest,
     split: str,
     *,
     global_batch: int,

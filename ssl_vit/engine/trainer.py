@@ -183,7 +183,7 @@ def setup(cfg: Config, header: str = "") -> Run:
             log.info("training images decoded on the %s (data.decode=%s)", decode, cfg.data.decode)
     d = cfg.data
     loader = make_train_loader(
-        d.root,
+        manifest,
         d.split,
         global_batch=cfg.train.global_batch,
         rank=rank,
