@@ -66,8 +66,10 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    # Shard set made by data_prep/make_shards.py: a folder or a URL (http(s)://, s3://, gs://,
-    # file://, or 'pipe:CMD {}' with {} for the file name; ssl_vit.data.urls).
+    # Shard set made by data_prep/make_shards.py or indexed by data_prep/index_shards.py: a
+    # folder or a URL (http(s)://, s3://, gs://, file://, or 'pipe:CMD {}' with {} for the
+    # file name; ssl_vit.data.urls), a manifest file kept apart from its shards, or a brace
+    # pattern naming some shards of a set (.../data-{000000..000099}.tar).
     root: str = "shards/fashion-mnist"
     split: str = "train"
     num_workers: int = 2
