@@ -12,15 +12,17 @@ from ssl_vit.data.shard_verify import add_block_checksums, verify_shard_set
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="verify_shards.py",
-        description="Verify a shard set made by data_prep/make_shards.py: every shard's size, "
-        "sha256 and sample count against manifest.json, one decoded image per shard (channels "
-        "and size), and errors.jsonl against num_skipped. Prints a summary; exits 1 on any "
-        "mismatch.",
+        description="Verify a shard set made by data_prep/make_shards.py or indexed by "
+        "data_prep/index_shards.py: every shard's size, sha256, block checksums, sample count "
+        "and labels against its manifest, one decoded image per shard (channels and size), and "
+        "errors.jsonl against num_skipped; for a web server, whether it answers Range "
+        "requests. Prints a summary; exits 1 on any mismatch.",
     )
     p.add_argument(
         "root",
         help="the shard set: a folder or URL holding manifest.json "
-        "(http(s)://, s3://, gs://, file://, 'pipe:CMD {}')",
+        "(http(s)://, s3://, gs://, file://, 'pipe:CMD {}'), a manifest file kept apart from "
+        "its shards, or a brace pattern naming some of them",
     )
     p.add_argument("--no-decode", action="store_true", help="skip decoding a sample per shard")
     p.add_argument(
