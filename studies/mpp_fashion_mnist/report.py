@@ -91,9 +91,9 @@ def plan_section(r: Results) -> list[str]:
 
 def issue38_plan(r: Results) -> list[str]:
     """Issue 38's steps (`steps.next_runs`) and comparisons, fixed before they ran; what has run."""
-    planned = S.next_runs()
-    left = [s.name for s in planned if r.get(s.name) is None]
-    gpu_left = [s.name for s in S.gpu_seed_runs() if r.get(s.name) is None]
+    cpu = [s.name for s in S.next_runs()]
+    gpu = [s.name for s in S.gpu_seed_runs()]
+    gpu_left = [name for name in gpu if r.get(name) is None]
     reruns = [s.name for s in S.provenance_reruns()]
     rerun_left = [name for name in reruns if r.get(name) is None]
     lrs = ", ".join(S.SCRATCH_LRS)
@@ -128,9 +128,7 @@ def issue38_plan(r: Results) -> list[str]:
         "preset-lr seed standing in where the grid chooses the preset's lr. Not run yet: "
         f"{', '.join(gpu_left) if gpu_left else 'none'}.",
         "",
-        f"{len(planned) - len(left)} of these {len(planned)} steps have run (`study.py status` "
-        f"lists them; `study.py run` runs the rest, one at a time). Not run yet: "
-        f"{', '.join(left) if left else 'none'}.",
+        run_count(r, cpu, gpu),
         "",
         "Added after the report was read for provenance (issue 38 item 3), before any of them "
         "ran: reruns of earlier steps, not new comparisons. The results that started from a "
@@ -143,6 +141,22 @@ def issue38_plan(r: Results) -> list[str]:
         f"{len(reruns)} steps have run. Not run yet: "
         f"{', '.join(rerun_left) if rerun_left else 'none'}.",
     ]
+
+
+def run_count(r: Results, cpu: list[str], gpu: list[str]) -> str:
+    """How many of issue 38's steps have run, the CPU steps and the GPU track's counted apart
+    and together, and which have not."""
+    cpu_left = [name for name in cpu if r.get(name) is None]
+    gpu_left = [name for name in gpu if r.get(name) is None]
+    done = len(cpu) + len(gpu) - len(cpu_left) - len(gpu_left)
+    left = [*cpu_left, *(f"{name} (GPU)" for name in gpu_left)]
+    return (
+        f"{done} of these {len(cpu) + len(gpu)} steps have run: {len(cpu) - len(cpu_left)} of "
+        f"the {len(cpu)} CPU steps and {len(gpu) - len(gpu_left)} of the {len(gpu)} steps of "
+        "the GPU track (`study.py status` lists them; `study.py run` runs the CPU steps left, "
+        "one at a time; the GPU steps run only when named by `--only`). Not run yet: "
+        f"{', '.join(left) if left else 'none'}."
+    )
 
 
 def _goal_row(lines: list[str], what: str, goal: str, got: str, met: bool | None) -> None:

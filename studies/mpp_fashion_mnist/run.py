@@ -171,10 +171,12 @@ def start_of(argv: list[str]) -> str | None:
     return None
 
 
-def started_from(argv: list[str], root: Path, needs: tuple[str, ...] = ()) -> dict | None:
+def started_from(
+    argv: list[str], root: Path, needs: tuple[str, ...] = (), results: Path = RESULTS
+) -> dict | None:
     """What `start_of` names, as found on this machine: the sha256 of its weights file (the
     evaluators' backbone_id), the MLflow run of the pretraining that wrote it and the result id
-    of that pretraining's step (the first of `needs`, when its result is recorded)."""
+    of that pretraining's step (the first of `needs`, when its result is recorded in `results`)."""
     src = start_of(argv)
     if src is None:
         return None
@@ -191,7 +193,7 @@ def started_from(argv: list[str], root: Path, needs: tuple[str, ...] = ()) -> di
     if weights is not None and (weights.parent.parent / "mlflow_run_id").is_file():
         rid = (weights.parent.parent / "mlflow_run_id").read_text().strip() or None
     sha = "sha256:" + sha256_file(weights) if weights is not None else None
-    made = root / RESULTS / f"{needs[0]}.json" if needs else None
+    made = root / results / f"{needs[0]}.json" if needs else None
     result_id = json.loads(made.read_text()).get("result_id") if made and made.is_file() else None
     return {"path": src, "sha256": sha, "mlflow_run_id": rid, "result_id": result_id}
 
@@ -378,7 +380,7 @@ def record(
         "git_commit": _git_commit(root),
         "machine": describe_machine(),
         "mlflow_run_id": run_id,
-        "started_from": started_from(argv, root, step.needs),
+        "started_from": started_from(argv, root, step.needs, step.results),
         "result": output,
     }
     dest = root / step.result

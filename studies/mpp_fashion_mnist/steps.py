@@ -205,13 +205,14 @@ class Step:
     run_dir: Path | None = None  # a training step's run directory (metric lines, sweeps)
     figures: tuple[str, ...] = ()  # PNGs beside the output, committed with the result
     gpu: bool = False  # sized for a GPU: `run` takes it only when named by --only
+    results: Path = RESULTS  # the study's results folder (another study names its own)
 
     def args(self) -> list[str]:
         return self.argv() if callable(self.argv) else self.argv
 
     @property
     def result(self) -> Path:
-        return RESULTS / f"{self.name}.json"
+        return self.results / f"{self.name}.json"
 
 
 def _result(step: str) -> dict:

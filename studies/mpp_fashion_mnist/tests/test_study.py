@@ -582,3 +582,46 @@ def test_provenance_reruns_repeat_their_first_runs():
         assert all(n in reruns or n == "mpp_seed0" for n in reruns[rerun].needs), rerun
     lr = [a for a in plan["ft_mixer_seed0_s0"].args() if a.startswith("optim.lr=")]
     assert lr == [f"optim.lr={steps.chosen_lr('ft_mixer_s0')}"]
+
+
+def test_the_run_count_covers_the_gpu_steps_it_lists(tmp_path):
+    """The status sentence counts the GPU track's steps with the CPU ones: all CPU steps done
+    and GPU steps left never reads as everything run."""
+    cpu, gpu = ["a", "b"], ["g1", "g2", "g3"]
+    for name in ("a", "b", "g2"):
+        _write(tmp_path, name, {"selected_top1": 0.9})
+    text = report.run_count(Results(tmp_path), cpu, gpu)
+    assert text.startswith("3 of these 5 steps have run: 2 of the 2 CPU steps and 1 of the 3 ")
+    assert text.endswith("Not run yet: g1 (GPU), g3 (GPU).")
+    plan_text = "\n".join(report.issue38_plan(Results(tmp_path)))
+    total = len(steps.next_runs()) + len(steps.gpu_seed_runs())
+    assert f"0 of these {total} steps have run" in plan_text
+
+
+def test_mpps_lr_on_its_grids_edge_is_said(tmp_path):
+    """MPP's sweep per share is shown with its held-out scores; a choice on the grid's edge is
+    named, beside the note that from scratch's grid grew and MPP's did not."""
+    runs = [
+        {"value": v, "selection_best_top1": h}
+        for v, h in ((0.003, 0.70), (0.01, 0.71), (0.03, 0.72), (0.06, 0.73))
+    ]
+    sweep = {"runs": runs, "sweep": {"key": "optim.lr"}, "chosen": {"optim.lr": 0.06}}
+    _write(tmp_path, tables.mpp_sweep_step(0.1), sweep)
+    rows, edges = tables.mpp_lr_rows(Results(tmp_path))
+    assert edges == ["10% (0.06, its highest)"]
+    held = "0.003: 70.00, 0.01: 71.00, 0.03: 72.00, 0.06: 73.00"
+    assert rows[0].startswith(f"| 10% | {held} | 0.06 |")
+    assert "MPP's grid was never widened" in "\n".join(tables.mpp_lr_lines(Results(tmp_path)))
+
+
+def test_the_100_percent_headline_says_its_fine_tune_is_short(tmp_path):
+    """The 100% row's note: a 2-epoch fine-tune; the longer fine-tunes' gaps, where shown."""
+    r = Results(tmp_path)
+    assert "fine-tunes for 2 epochs only" in tables.longer_finetune_note(r, -0.02)
+    assert "Fine-tuned longer" not in tables.longer_finetune_note(r, -0.02)
+    for (_, ft, base), (a, b) in zip(tables.FT_LONG, ((0.88, 0.885), (0.89, 0.891)), strict=True):
+        _write(tmp_path, ft, {"selected_top1": a})
+        _write(tmp_path, base, {"selected_top1": b}, command="python x.py")
+    note = tables.longer_finetune_note(r, -0.02)
+    assert "seed 0's pretraining narrows the gap (-2.00 here" in note
+    assert "6 + 12 against 18: MPP 89.00, from scratch 89.10 (-0.10)" in note

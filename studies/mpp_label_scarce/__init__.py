@@ -1,0 +1,1 @@
+"""Does MPP learn useful features? A label-scarce study of Fashion-MNIST (PLAN.md)."""
