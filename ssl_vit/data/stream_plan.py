@@ -116,8 +116,9 @@ def resampled_pieces(
 
 
 def read_start(piece: Piece, assume_ranged: bool = False) -> int:
-    """The position a reader of `piece` starts reading bytes at (module doc); `assume_ranged`:
-    as if every web server answered Range requests."""
+    """The position a reader of `piece` starts reading bytes at: its start for a local file, the
+    indexed sample at or before it where a remote source can seek, else 0 (docs/streaming.md,
+    the read factor); `assume_ranged`: as if every web server answered Range requests."""
     if local_path(piece.ref.url) is not None:
         return piece.start
     can_seek = ranged(piece.ref.url) or assume_ranged and not is_pipe(piece.ref.url)
