@@ -2,8 +2,8 @@
 
 At the default level a run prints its own progress and real warnings, not what the libraries
 say while loading (FAISS's loader, torch's CUDA_HOME notice, MLflow creating its tables,
-DeepSpeed's accelerator choice, matplotlib's font cache); `-v` (verbose, `wants_verbose`) leaves
-every library at its own level. `setup_logging` sets the library loggers' levels
+DeepSpeed's accelerator choice, matplotlib's font cache); `-v` (verbose, `wants_verbose`) shows
+them again (DeepSpeed's loggers stay at WARNING). `setup_logging` sets the library loggers' levels
 (QUIET_LEVELS) and filters the few known lines of DeepSpeed and torch; `quiet_prints` drops a
 library's known start-up lines printed to stdout around a call. Our own warnings and errors
 are never among them.
