@@ -1,26 +1,16 @@
 """Logging set-up shared by every entry script: quiet start-up by default, `-v` shows it all.
 
 At the default level a run prints its own progress and real warnings, not what the libraries
-say while loading: FAISS's loader trying each instruction set, torch's "No CUDA runtime is
-found, using CUDA_HOME" on CPU machines, MLflow creating its SQLite tables, DeepSpeed choosing
-the CPU accelerator, matplotlib building its font cache. `-v` (verbose) leaves every library at
-its own level and shows these lines again.
+say while loading (FAISS's loader, torch's CUDA_HOME notice, MLflow creating its tables,
+DeepSpeed's accelerator choice, matplotlib's font cache); `-v` (verbose, `wants_verbose`) shows
+them again (DeepSpeed's loggers stay at WARNING). `setup_logging` sets the library loggers' levels
+(QUIET_LEVELS) and filters the few known lines of DeepSpeed and torch; `quiet_prints` drops a
+library's known start-up lines printed to stdout around a call. Our own warnings and errors
+are never among them.
 
 Call `setup_logging` before the libraries are imported where possible: MLflow reads
-MLFLOW_LOGGING_LEVEL when it is imported, and loggers set here keep their level after.
-
-Each known line is silenced here, by the way it is written:
-- logged at INFO (MLflow, botocore's "Found credentials in environment variables.", ...): the
-  logger's level, QUIET_LEVELS;
-- logged by DeepSpeed at WARNING, a level that also carries its real warnings ("Setting
-  accelerator to CPU", "You are using ZeRO with an untested optimizer": ours are torch's own
-  AdamW and SGD): those messages only, `_DropChatter`;
-- a torch FutureWarning that DeepSpeed's ZeRO collectives raise on every run
-  ("`torch.distributed.all_gather_into_tensor` is deprecated"), which the user cannot act on:
-  a warnings filter for that message (left alone when the user set -W or PYTHONWARNINGS);
-- printed, not logged (DeepSpeed's "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built
-  successfully"): `quiet_prints`, around the call that prints it.
-Our own warnings and errors are never among them.
+MLFLOW_LOGGING_LEVEL when it is imported. Each silenced line and how:
+docs/training.md#start-up.
 """
 
 from __future__ import annotations

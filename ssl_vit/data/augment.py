@@ -1,22 +1,14 @@
 """Decoding and the paper's augmentation, on uint8 arrays.
 
-The ViT paper pretrains MPP with "the classification one" (appendix B.1.2): an Inception-style
-random resized crop plus a random horizontal flip; `data.translate` optionally adds a random
-shift between the two (small images, where a crop that resizes loses too much). All run on the
-decoded uint8 image (PIL's box resize, antialiased as torchvision's `antialias=True` is, and
-several times faster than torch kernels on small images); batches leave as uint8 (B, C, H, W)
-tensors, and normalisation with the manifest's mean/std happens later, on the device, inside
-the objective.
+The ViT paper's MPP augmentation (appendix B.1.2): an Inception-style random resized crop
+(`train_box`, `crop_resize`) plus a random horizontal flip, and optionally a random shift
+(`data.translate`); `train_transform` and `eval_transform` apply them to a decoded image,
+`decode_sample` decodes a raw sample to (pixels, label), `to_batch` stacks uint8 (B, C, H, W)
+batches. Normalisation with the manifest's mean/std happens later, on the device, inside the
+objective. Randomness comes from an explicit `random.Random` (never torch's global generator),
+so a sample's augmentation depends only on (seed, epoch, stream, position).
 
-Loader workers share the CPU with training, so the per-sample path is kept short: PNGs and
-JPEGs already in the target mode go through torchvision's libpng / libjpeg-turbo ops (the same
-pixels as PIL, tests/test_augment.py), a whole-image crop skips the resize, a flip is a view,
-large RGB crops use torch's resampler, and `to_batch` copies each image once.
-
-Randomness comes from an explicit `random.Random` seeded per chunk of a batch (never torch's
-global RNG; see ssl_vit.data.datasets), so a sample's augmentation depends only on (seed,
-epoch, stream, position) and a resumed epoch that skips batches without decoding them
-reproduces the tail exactly.
+How the per-sample path is kept short: docs/training.md#streaming-input.
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
 """JPEG decoding, random resized crop and flip of a whole batch on the training device.
 
-Why: the loader workers decode every sample with PIL and crop, resize and flip it on the CPU
-(ssl_vit.data.augment), on the cores the training step shares. With a GPU beside them that CPU
-work can bound the step rate. For JPEG shards a worker can instead parse only the header for the
-image size (`jpeg_size`, a few microseconds of byte reading, no decode), draw the crop box and
-flip exactly as `augment.train_transform` would (`crop_box_for`, the same random numbers in the
-same order), and hand over the encoded bytes, the box and the flag; the main process then
-decodes the batch on the device (torchvision's `decode_jpeg` with a list, nvjpeg on CUDA) and
-crops, resizes and flips all of it in a few batched kernels (`decode_crop_batch`).
+The GPU path of `data.decode`: a loader worker reads only a JPEG's size (`jpeg_size`) and draws
+the crop box and flip as the CPU path would (`crop_box_for`); the main process decodes the batch
+on the device (torchvision's `decode_jpeg`, nvjpeg on CUDA) and crops, resizes and flips it in a
+few batched kernels (`decode_crop_batch`, one `roi_align` per chunk of images). A sample it
+cannot use raises `DeviceDecodeError` with its batch position, so the caller can decode that one
+on the CPU instead.
 
-Resampling: the decoded images are padded into one float (B, C, Hmax, Wmax) tensor and every
-box is resampled to size x size by one `torchvision.ops.roi_align` call (aligned=True, so box
-edges are pixel edges as in PIL's `box=`). Its adaptive sampling (sampling_ratio=-1) averages
-ceil(box side / size) bilinear samples per output pixel and axis. Enlarging a crop, that is one
-bilinear sample at the pixel centre PIL's bilinear filter uses, so the pixels match PIL's but
-for rounding (PIL rounds to 8 bits between its two passes); shrinking, it is a box average of
-bilinear samples over the output pixel's footprint, close to but a little sharper than PIL's
-antialiased triangle filter: against the CPU path, a mean absolute difference under a gray
-level at 224 px (tests/test_device_decode.py bounds it). The right and bottom edge of a smaller
-image in the padded tensor is replicated one pixel into the padding, so that a box touching it
-samples no zeros (bilinear samples in its last half pixel would otherwise blend with the pad).
-A colour JPEG decoded to gray is its luma channel, where PIL converts decoded RGB: the same
-but for rounding and clipped colours (mean 0.25 levels on the test images).
-
-Memory: the padded float tensor takes B x C x Hmax x Wmax x 4 bytes (about 360 MB for 256 RGB
-images of 256 x 341 px in both orientations), so batches go `chunk` images at a time.
-
-Contract: every sample must be a JPEG whose box lies inside it; a sample that is not one, does
-not decode, or whose box does not fit raises `DeviceDecodeError`, a ValueError carrying the batch
-position, so the caller can decode that one sample on the CPU instead and retry the rest. Check
-`jpeg_size` in the worker and send anything else (PNG, WebP, a JPEG without a readable frame
-header) down the CPU path. EXIF orientation is ignored, as it is by the CPU path.
+How it resamples against PIL, its memory and its contract:
+docs/streaming.md#where-images-are-decoded.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Training batches from a split decoded once into RAM (`data.in_memory`), for splits that fit.
 
-Why: the streaming loader (ssl_vit.data.stream) parses, decodes and augments every sample of
-every epoch in workers that share the CPU with the training step; a small split (Fashion-MNIST's
-decodes to 45 MB) is better decoded once at start (by the streaming eval reader, so corrupt
-samples are dropped and counted the same way), held as one uint8 tensor, and batched by an
-index gather plus batched augmentation in the training process.
+`resolve_in_memory` decides (`auto`: images of one size, at most MEMORY_BUDGET decoded bytes per
+rank); `load_training_samples` decodes the split's training samples into one uint8 tensor with
+the streaming eval reader; `MemoryTrainLoader` batches it by an index gather and the streaming
+loader's crop, shift and flip, drawn for the whole global batch and applied to the batch at
+once, on the host or (`device`) on the GPU. It keeps the streaming TrainLoader's contract
+(docs/streaming.md#the-loaders-contract): the same steps per epoch on every rank, no held-out
+sample, and `set_epoch(e, k)` yields exactly batches k.. of epoch e.
 
-Contract, as the streaming TrainLoader's: `steps_per_epoch = num_samples // global_batch` on
-every rank; held-out samples (ssl_vit.data.holdout) are never yielded; `set_epoch(e, k)` yields
-exactly batches k.. of epoch e. Each epoch is a full permutation seeded by (seed, epoch); global
-batch s is positions [s*G, (s+1)*G) of it, rank r takes the r-th slice, and the augmentation of
-the whole global batch is drawn from (seed, epoch, s): n ranks see what one rank with n times
-the batch sees. The crop is the streaming loader's (ssl_vit.data.augment.crop_params), applied
-to the batch by bilinear resampling (torch's grid_sample, not PIL's antialiased box filter: the
-pixels differ slightly where a crop is shrunk); a crop of the whole image at the output size is
-the image itself, and flips are exact.
-
-Every rank decodes the whole split (each needs every sample across epochs); `auto` therefore
-counts the decoded bytes once per rank against MEMORY_BUDGET.
-
-On a GPU (`device`), the decoded split is held in its memory and each batch is gathered,
-resampled and flipped there (on the host, small tensor ops that slow down with busy host
-threads took most of a small model's step). The augmentation draws are the same on either
-device; GPU resampling may round a pixel differently from the CPU's.
+Why, and how its batches compare with streamed ones: docs/training.md#small-datasets-in-ram.
 """
 
 from __future__ import annotations
@@ -139,7 +125,7 @@ class LoaderCounts:
 
 
 class MemoryTrainLoader(LoaderCounts):
-    """`len(self)` batches of one epoch from RAM; `set_epoch` moves on. See the module doc."""
+    """`len(self)` batches of one epoch from RAM; `set_epoch` moves on (the module doc)."""
 
     def __init__(
         self,
@@ -160,7 +146,7 @@ class MemoryTrainLoader(LoaderCounts):
         translate: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
-        if device is not None:  # (module doc) the split on the GPU: ~45 MB for Fashion-MNIST
+        if device is not None:  # the split on the GPU: 45 MB for Fashion-MNIST
             images, labels = images.to(device), labels.to(device)
         self.images, self.labels, self.manifest, self.split = images, labels, manifest, split
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size

@@ -6,16 +6,12 @@
         sample["__index__"]            # the sample's manifest index within the split
 
 `ShardRef.offset` is the manifest index of a shard's first sample, so every sample has a global
-index that streams can split on. A reader asked to start at sample `start` of a shard seeks to
-the nearest sample at or before it that the manifest's offset index lists (a ranged request for a
-remote shard), then passes over at most `index_every - 1` samples without reading their bytes
-where the source can seek (a local file, http(s), s3, gs) or reading and dropping them where it
-cannot (a pipe). Without an index, it walks the shard's headers from its start (ssl_vit.data.urls).
+index that streams can split on. `read_shard` enters a shard at `start` through the manifest's
+offset index and retries a failed read from the sample it reached (`Retry`). A `ReadCounter`
+keeps, in shared memory, samples skipped, shard errors, retries, and the samples and bytes
+really read; `report_skip` logs skip events, rate-limited per process.
 
-Failed reads are retried from the sample they reached (`Retry`; docs/streaming.md says what
-each failure does). A `ReadCounter` keeps, in shared memory written by the workers and read by
-the main process, samples skipped, shard errors, retries, and the samples and bytes really read.
-`report_skip` logs skip events, rate-limited per process.
+How a reader seeks, and what each failure does: docs/streaming.md.
 """
 
 from __future__ import annotations
@@ -120,7 +116,8 @@ def select_shards(
 ) -> list[ShardRef]:
     """The split's shards with their sample offsets and block checksums. Missing local ones
     raise or are dropped; a remote one is found missing only when read (see read_shard).
-    `verify`: what of the bytes read is checked against the block checksums (module doc)."""
+    `verify`: what of the bytes read is checked against the block checksums
+    (docs/streaming.md#what-is-checked)."""
     infos = manifest.split(split).shards
     where = manifest.where
     try:
@@ -223,8 +220,8 @@ def read_shard(
     missing: Literal["error", "skip"] = "skip",
 ) -> Iterator[dict]:
     """Samples start..stop-1 (positions in the shard) whose manifest index passes `keep`, in
-    order, tagged with `__index__`; the others are passed over unread. See the module doc for
-    retries (`retry`: None = Retry()) and what `missing` does with a shard that cannot be read.
+    order, tagged with `__index__`; the others are passed over unread. Retries (`retry`: None =
+    Retry()) and what `missing` does with a shard that cannot be read: docs/streaming.md.
 
     With block checksums (`ref.digests`) a sample leaves only once its block has been checked
     (ssl_vit.data.blocks): the reader reads whole blocks, so a piece that starts or stops

@@ -1,28 +1,15 @@
 """Which samples each loader stream reads in an epoch, and how much of the data that reads.
 
-A *stream* is one DataLoader worker of one rank: P = world_size x workers of them, numbered
-rank * workers + role. Every rank runs the same number of batches per epoch (so no rank waits
-for a collective that never comes); worker `role` of a rank makes batches role, role + W, ...,
-so a stream's *quota* is its batch size times the batches it makes.
+A *stream* is one DataLoader worker of one rank, numbered rank * workers + role; its quota
+(`stream_quota`) is its batch size times the batches it makes. Exact epochs
+(data.resampled=false): `exact_pieces` lays the epoch's shuffled shards (`epoch_order`) end to
+end and gives each stream the next run of its quota of training samples, so every sample is read
+by exactly one stream. Resampled epochs (data.resampled=true): `resampled_pieces` draws whole
+shards with replacement per stream. `read_factor` says how many times a plan reads the shard set
+(`read_start`: where a reader of a piece starts); the preflight refuses a plan above
+MAX_READ_FACTOR.
 
-Exact epochs (data.resampled=false, the default). The epoch's shards are shuffled (by seed and
-epoch) and laid end to end; stream 0 takes the first q_0 training samples of that order, stream 1
-the next q_1, and so on. Every training sample is read by exactly one stream per epoch, whatever
-P is, more streams than shards included: a stream that starts inside a shard seeks there through
-the manifest's offset index (ssl_vit.data.shards). The samples past the last full global batch
-(fewer than one global batch) are left out of that epoch; the shuffle makes them others the next.
-
-Resampled epochs (data.resampled=true). Each stream draws whole shards uniformly with
-replacement (seeded by seed, epoch and stream) and reads them until its quota: webdataset's
-`ResampledShards` scheme. An epoch is then a sample count; a sample may come twice in one epoch
-and another not at all. It suits elastic world sizes and sets with few shards read over a
-network without an offset index, where exact epochs would read shard heads twice.
-
-`read_factor` says how many times an epoch's plan reads the shard set (1.0: each byte once),
-counting the samples a stream must read and drop to reach its start: none for local files (the
-tar headers are walked, the data seeked past), at most index_every - 1 for indexed remote
-shards, the whole head for a pipe or a remote shard without an index. The trainer's preflight
-refuses a plan above MAX_READ_FACTOR and says how to fix it.
+The scheme and its guarantees: docs/streaming.md#which-samples-each-stream-reads.
 """
 
 from __future__ import annotations
@@ -129,8 +116,9 @@ def resampled_pieces(
 
 
 def read_start(piece: Piece, assume_ranged: bool = False) -> int:
-    """The position a reader of `piece` starts reading bytes at (module doc); `assume_ranged`:
-    as if every web server answered Range requests."""
+    """The position a reader of `piece` starts reading bytes at: its start for a local file, the
+    indexed sample at or before it where a remote source can seek, else 0 (docs/streaming.md,
+    the read factor); `assume_ranged`: as if every web server answered Range requests."""
     if local_path(piece.ref.url) is not None:
         return piece.start
     can_seek = ranged(piece.ref.url) or assume_ranged and not is_pipe(piece.ref.url)

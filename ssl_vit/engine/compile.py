@@ -1,22 +1,13 @@
 """torch.compile for training: each repeated block of the model compiled in place.
 
-Blocks, not the whole objective: the objectives hold data-dependent Python (MPP's corruption,
-the cascade's exits) that breaks graphs, while every `blocks.<i>` (a ViT or Mixer block) is one
-static graph, traced once and reused by every block of the same shape. In place
-(`nn.Module.compile`), so state_dict keys stay the eager model's: checkpoints, resume and
-exports are the same files either way. Evaluations during training run the blocks eagerly
-(`eager`): they are a small share of a run, and their other batch sizes and no-grad graphs
-would each cost a compile of their own.
+`resolve_compile` turns `train.compile` (true, false or auto) into on, off or a trial: on a GPU
+auto compiles runs of at least AUTO_MIN_IMAGES images without ZeRO-3; on a CPU it measures in
+the run itself (`CompileTrial`: TRIAL_STEPS steps eager, then as many compiled, the faster
+kept, the same choice on every rank). `BlockCompile` holds a run's state for the training loop;
+`compile_blocks` compiles every `blocks.<i>` in place (`nn.Module.compile`), so state_dict keys
+stay the eager model's; `eager` runs them eagerly for evaluations during training.
 
-`train.compile`: true, false, or auto. On a CPU, whether compiling pays depends on the machine
-and on what runs beside training (the loader workers share the cores): measured on 2-core
-machines of one kind it has come out both faster and slower. So auto on a CPU measures it in the
-run itself (`CompileTrial`): TRIAL_STEPS steps eager, then as many compiled, and it keeps the
-faster (the same choice on every rank); a launch too short to pay for the trial, or a machine
-without a C++ compiler for Inductor's kernels, stays eager. On a GPU auto is on for runs of at
-least AUTO_MIN_IMAGES images, without ZeRO-3 (its parameter hooks run inside each block's
-forward); that threshold is a judgement, not a measurement: a compile of a minute or two should
-be a small share of the run.
+Why blocks, and how auto decides: docs/training.md#compilation.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ from ssl_vit.engine.distributed import all_reduce_sum
 
 log = logging.getLogger("ssl_vit.train")
 
-AUTO_MIN_IMAGES = 2_000_000  # GPUs only; not measured here (see the module doc)
+AUTO_MIN_IMAGES = 2_000_000  # GPUs only; a judgement, not a measurement (docs/training.md)
 TRIAL_WARM = 3  # steps not timed: the launch's first (warm-up) and the compiled first (compiling)
 TRIAL_STEPS = 15  # steps timed each way; the medians decide
 TRIAL_MIN_STEPS = 8 * (TRIAL_WARM + TRIAL_STEPS)  # a launch shorter than this stays eager

@@ -1,24 +1,14 @@
 """Every launch of a run directory on record, with what it changed since the launch before.
 
-A run directory is one training run, launched again after each interruption (a requeued job, a
-longer `train.steps`, a lower `optim.lr` after a loss spike). MLflow's params never change once
-logged, so the run's params keep describing the launch that logged them; a later launch that
-changes a key would leave them wrong without a word. So each launch (rank 0):
+A run directory is one training run, launched again after each interruption, and a later launch
+may change keys (`train.steps`, `optim.lr`...) that MLflow's params, never changed once logged,
+would keep describing wrongly. `begin` (rank 0) writes RUN/launches/launch-<n>.yaml (number,
+time, command, what changed as `key: {old, new}`, the whole config) and RUN/config.yaml;
+`Launch.finish` adds the derived values and the starting step. ssl_vit.engine.run_tracker gives
+the MLflow run those files as artifacts, the tags `ssl_vit.launch.<n>.changed` and
+`ssl_vit.launches`, and the params no earlier launch logged (`Launch.logged_params`).
 
-- writes RUN/launches/launch-<n>.yaml: its number, time and command, what changed since the
-  launch before (`changed`: each flattened key, as in the params, with its old and new value,
-  `derived.*` among them: world size, micro batch, precision...), the step it started at, and
-  its whole resolved config. RUN/config.yaml always holds the current launch's config; the
-  earlier ones stay in these files. A run directory written before these records gets a
-  launch-1.yaml made from its config.yaml, without a time.
-- gives the MLflow run that file as artifact launches/launch-<n>.yaml (the earlier ones too),
-  a tag `ssl_vit.launch.<n>.changed` ("optim.lr: 0.002 -> 0.001; ...") when something changed,
-  and the tag `ssl_vit.launches` (the count); and logs one line saying so.
-- logs the params once, at the first launch that reaches the tracker; a later launch logs only
-  the keys no earlier launch logged (a key new to the config), never a changed value (MLflow
-  would refuse it).
-
-All of it goes through the Tracker, so a store that is down gets it later (ssl_vit.tracking).
+What a launch records and sends: docs/tracking.md#a-launch-that-changes-the-config.
 """
 
 from __future__ import annotations

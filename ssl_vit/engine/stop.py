@@ -1,22 +1,15 @@
 """Stopping a run on a signal: every rank at the same step, with a checkpoint, to go on later.
 
-A scheduler stops a job with a signal: SLURM sends SIGTERM at preemption and at the time limit,
-and the signal a job asks for (`--signal=USR1@300`) ahead of it; torchrun passes on what it
-gets. The signal reaches some ranks, or all of them at slightly different moments, anywhere in
-a step. So a handler only notes it (`run.stop_signals`), and at each step boundary the ranks
-agree on it: a MAX all-reduce of one integer over the CPU group. The trainer then writes a
-checkpoint at that step on every rank, ends the MLflow run as KILLED, tagged with the signal and
-the step, and raises `Stopped`; the entry script exits with STOPPED_EXIT. Running the same
-command again resumes from that checkpoint.
+A scheduler's signal (SLURM's SIGTERM, a `--signal=USR1@300` ahead of the time limit) reaches
+some ranks, or all at slightly different moments, anywhere in a step. So `StopSignals` only
+notes the signals of `run.stop_signals`, and `agreed()`, called by every rank at each step
+boundary, makes them agree: a MAX all-reduce of one integer over the CPU group, started at one
+boundary and read at the next, so that it costs the step nothing. The trainer then checkpoints
+at that step, ends the MLflow run as KILLED and raises `Stopped`; the entry script exits with
+STOPPED_EXIT, and running the same command again resumes.
 
-The agreement is one step behind, so that it costs the step nothing: the reduction started at
-one boundary (asynchronous, on gloo, beside the step's own work) is read at the next, and a
-signal that arrives during step k stops the run after step k + 1 or k + 2 on every rank alike
-(a world of one reads its own flag: after step k).
-
-A signal sent to every process of the job (SLURM's, or torchrun's forwarding to a rank's process
-group) also reaches the loader workers and their fork server; they never act on it
-(ssl_vit/data/workers.py), so the batches keep coming until the ranks stop.
+When a run stops, what it leaves and how each launcher passes the signal on:
+docs/training.md#stopping-on-a-signal.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Dynamic ViT: a cascade of ViTs over increasing token grids with early exit.
 
 After Wang et al. 2021 ("Not All Images are Worth 16x16 Words"): stage s sees the image
-downsized so the fixed patch size gives a coarser grid (e.g. 14 / 28 / 49 px with 7-px patches:
-2x2, 4x4, 7x7 tokens); each stage has its own classifier, and an image leaves at the first stage
-whose softmax confidence reaches that stage's threshold. Later stages reuse earlier work:
+downsized so the fixed patch size gives a coarser grid, each stage has its own classifier, and
+an image leaves at the first stage whose softmax confidence reaches that stage's threshold.
+`CascadeViT` holds the stages (`CascadeStage`, each a timm VisionTransformer; the last is the
+backbone given); later stages reuse earlier work, each reuse a switch: the previous stage's
+[class] feature added to every token (`FeatureReuse`, `feature_reuse`) and its attention logits
+resized to this stage's grid (`resize_matrix`: R @ logits @ R^T) added to this stage's
+(`relation_reuse`). Written for ssl-vit, not a port.
 
-- feature reuse: the previous stage's final [class] feature, through a small MLP, is added to
-  every token at the input of every block (one D-vector per block; zero-initialised output, so a
-  stage starts as the plain ViT it was initialised from);
-- relationship reuse: the previous stage's attention logits of layer l, resized to this stage's
-  grid (bilinear, by a fixed resampling matrix R: R @ logits @ R^T), are added to this stage's
-  logits of layer l with a learned weight per layer and head (zero-initialised).
-
-Each reuse is a switch (`feature_reuse`, `relation_reuse`) so its effect can be measured.
-Every stage is a timm VisionTransformer (its blocks called piece by piece through their
-submodules, to get and bias the attention logits); the last stage is the backbone given, so the
-cascade's finest stage exports as an ordinary backbone. Written for ssl-vit, not a port.
+How it is trained and evaluated: docs/evaluation.md#dynamic-vit.
 """
 
 from __future__ import annotations

@@ -9,19 +9,10 @@ by an unreachable store.
     tracker.log_artifact("run/config.yaml")       # uploaded at close
     tracker.close("FINISHED")                     # or a context manager: FAILED / KILLED
 
-Each call is appended to a local record in `spool_dir` (see `store`) except metric points that
-`metrics_file`, written by the caller, holds (`log_metrics(..., in_file=True)`); and it is
-sent when the store is reachable. When it is not, or a send fails, a thread retries every
-`retry_interval` seconds and then logs from the record what the run lacks (resuming the run, or
-creating it). The record is deleted at close once the run has everything; one left behind is
-sent by `python -m ssl_vit.tracking replay SPOOL_DIR`, or by the next Tracker of the same run (a
-resumed job) when it connects.
-
-One run whatever was down when: a Tracker given a `run_key` (a run directory's, the same at
-every launch) finds the run tagged with it when it has no `run_id` (a launch before it created
-the run, or a replay did, but the id never reached the run directory), creates the run with that
-tag only when there is none, and syncs into it, oldest first, every record in `spool_dir` of the
-same key or id; `run_id_file` is where it writes the run's id once it is known.
+Each call goes to a local record in `spool_dir` (ssl_vit.tracking.store; not the metric points
+`metrics_file` holds) and to the store when it is reachable; otherwise a thread retries every
+`retry_interval` seconds. How a run stays one run (`run_key`) whatever was down when:
+docs/tracking.md#a-server-that-is-down.
 """
 
 from __future__ import annotations
