@@ -381,6 +381,14 @@ def load_manifest(root: str | os.PathLike, retry: Retry | None = None) -> Manife
             f"{path}: format_version {version!r} is not supported "
             f"(this ssl-vit reads {FORMAT_VERSION}); re-create the shard set"
         )
+    m = _from_json(raw, path)
+    root_of_shards = normalise_root(m.shards_root) if m.shards_root else folder
+    digest = hashlib.sha256(data).hexdigest()
+    return replace(m, root=root_of_shards, sha256=digest, source=root, location=path)
+
+
+def _from_json(raw: dict, path: str) -> Manifest:
+    """The manifest whose JSON object `raw` was read from `path`: every value checked."""
     indexed = "sample" in raw  # a set indexed in place: names and fields of another tool
     check = _Checker(path, indexed)
     layout = _layout(check, raw["sample"]) if indexed else SampleLayout()
@@ -436,10 +444,6 @@ def load_manifest(root: str | os.PathLike, retry: Retry | None = None) -> Manife
         layout=_with_classes(layout, class_names),
         indexed=indexed,
         shards_root=shards_root,
-        root=normalise_root(shards_root) if shards_root else folder,
-        sha256=hashlib.sha256(data).hexdigest(),
-        source=root,
-        location=path,
     )
 
 
