@@ -34,7 +34,7 @@ def parse(argv: list[str] | None, kind: str, description: str):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="YAML preset (see configs/); defaults apply where it is silent")
-    p.add_argument("--data", help="shard set folder (same as data.root=...)")
+    p.add_argument("--data", help="shard set: folder, URL, manifest file or pattern (data.root)")
     if kind == "finetune":
         p.add_argument(
             "--backbone",

@@ -45,7 +45,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         required=True,
-        help="shard set: a folder or URL holding manifest.json (http(s), s3, gs, file, pipe:)",
+        help="shard set: a folder or URL holding manifest.json (http(s), s3, gs, file, "
+        "pipe:), a manifest file kept apart from its shards, or a brace pattern of shards",
     )
     p.add_argument("--train-split", default="train", help="gallery / fitting split")
     p.add_argument(
