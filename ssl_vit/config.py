@@ -145,6 +145,8 @@ class ObjectiveConfig:
     random_prob: float = MPP.random_prob  # of corrupted: another patch's embedding
     target: str = MPP.target  # one of ssl_vit.recipe.TARGETS
     bits: int = MPP.bits  # colour bits per channel of the targets
+    # target=pixels only: each patch's pixels less their mean, over their std (MAE's target)
+    normalize_pixels: bool = False
     label_smoothing: float = 0.0
     mpp_weight: float = 1.0
     supervised_weight: float = 1.0
@@ -388,6 +390,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             f"objective.mask_prob={o.mask_prob} + objective.random_prob={o.random_prob} exceeds "
             "1: they are shares of the corrupted patches (the rest are kept); lower one"
+        )
+    if o.normalize_pixels and o.target != "pixels":
+        raise ConfigError(
+            f"objective.normalize_pixels=true normalises pixel targets, but objective.target="
+            f"{o.target!r}; set objective.target=pixels or drop it"
         )
     if o.kind == "joint" and o.mpp_weight == 0 and o.supervised_weight == 0:
         raise ConfigError(
