@@ -107,6 +107,10 @@ class DataConfig:
     # Hashed share of the rest that training reads (1.0: all): 0.1 fine-tunes on 10% of the
     # labels, the label-scarce regime where pretraining on every image should pay.
     train_fraction: float = 1.0
+    # A JSON file listing the manifest indices of `split` that training reads (sorted; none held
+    # out), e.g. a class-balanced few per class; every other sample is left out. Not with
+    # train_fraction < 1. None: all (ssl_vit.data.holdout).
+    subset_file: str | None = None
     # Decode the split once into RAM and batch from there (ssl_vit.data.memory): true, false,
     # or auto (when its images share one size and decode to at most 2 GiB per rank).
     in_memory: Any = "auto"
@@ -382,6 +386,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             f"data.crop_scale={list(d.crop_scale)}: give [smallest, largest] share of the area, "
             "e.g. [0.08, 1.0]"
+        )
+    if d.subset_file is not None and d.train_fraction < 1:
+        raise ConfigError(
+            f"data.subset_file={d.subset_file!r} and data.train_fraction={d.train_fraction} both "
+            "choose the samples trained on; give one"
+        )
+    if d.subset_file is not None and d.missing_shards == "skip":
+        raise ConfigError(
+            f"data.subset_file={d.subset_file!r} lists manifest indices, which a skipped shard "
+            "would shift onto other samples; set data.missing_shards=error"
         )
     if o.kind == "cascade":
         _check_cascade_sizes(o.cascade_sizes, m.img_size)
