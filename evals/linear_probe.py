@@ -6,6 +6,8 @@ then the probe is refit on all of it and scored on the test split. --mae uses MA
 
     python evals/linear_probe.py --backbone runs/quickstart --data shards/fashion-mnist \
         --out probe.json
+    python evals/linear_probe.py --backbone runs/quickstart --data shards/fashion-mnist \
+        --train-indices subsets/n10_seed1.json   # fitted on 10 labelled images per class
 """
 
 from __future__ import annotations
@@ -15,13 +17,20 @@ import sys
 import time
 
 from ssl_vit import startup
-from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
+from ssl_vit.evaluation.cli import (
+    add_common_args,
+    add_train_indices_arg,
+    features_from_args,
+    report,
+    run_main,
+)
 from ssl_vit.evaluation.options import DEFAULT_L2_GRID, DEFAULT_LR_GRID
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(p)
+    add_train_indices_arg(p, "fit the probe (and choose its L2)")
     p.add_argument(
         "--solver",
         choices=("lbfgs", "adamw"),
