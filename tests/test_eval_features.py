@@ -308,8 +308,12 @@ def test_train_indices_fit_on_those_rows_only(tiny_shards, tmp_path, capsys):
     assert res["params"]["train_indices_sha256"] == sha256_file(subset)
     probe = _load_script("linear_probe")
     out = tmp_path / "probe.json"
-    assert probe.main([*common, "--train-indices", str(subset), "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["params"]["train_indices_count"] == len(listed)
+    argv = [*common, "--train-indices", str(subset), "--cv-folds", "3", "--out", str(out)]
+    assert probe.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["params"]["train_indices_count"] == len(listed) and res["params"]["cv_folds"] == 3
+    assert sum(res["metrics"]["cv_fold_sizes"]) == len(listed)  # the folds split the subset
+    assert len(res["metrics"]["probe_cv_fold_top1"]) == 3
 
     capsys.readouterr()
     for body, why in (("[3, 512]", "index 512, past the 512 samples"), ("[1, 1]", "not sorted")):
