@@ -3,6 +3,8 @@
 python evals/knn.py --backbone runs/quickstart --data shards/fashion-mnist --out knn.json
 python evals/knn.py --random-init vit_tiny_patch16_224 --patch-size 4 --data shards/fashion-mnist
 python evals/knn.py --backbone runs:/RUN_ID/export --data shards/fashion-mnist   # from MLflow
+python evals/knn.py --backbone runs/quickstart --data shards/fashion-mnist \
+    --train-indices subsets/n10_seed1.json --k 20   # a gallery of 10 labelled images per class
 """
 
 from __future__ import annotations
@@ -12,13 +14,20 @@ import sys
 import time
 
 from ssl_vit import startup
-from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
+from ssl_vit.evaluation.cli import (
+    add_common_args,
+    add_train_indices_arg,
+    features_from_args,
+    report,
+    run_main,
+)
 from ssl_vit.evaluation.options import DEFAULT_KS, DEFAULT_T, INDEX_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(p)
+    add_train_indices_arg(p, "build the gallery")
     p.add_argument(
         "--k",
         type=int,

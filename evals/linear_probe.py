@@ -1,11 +1,14 @@
 """Linear probe: multinomial logistic regression on frozen features, top-1 / top-5.
 
-The L2 strength (and the lr for --solver adamw) is chosen on a held-out part of the train split,
+The L2 strength (and the lr for --solver adamw) is chosen on a held-out part of the train split
+(--val-fraction), or by stratified N-fold cross-validation over it (--cv-folds N: few labels),
 then the probe is refit on all of it and scored on the test split. --mae uses MAE's recipe
 (BatchNorm without affine + LARS) instead, for comparison with published numbers.
 
     python evals/linear_probe.py --backbone runs/quickstart --data shards/fashion-mnist \
         --out probe.json
+    python evals/linear_probe.py --backbone runs/quickstart --data shards/fashion-mnist \
+        --train-indices subsets/n10_seed1.json --cv-folds 5   # 10 labelled images per class
 """
 
 from __future__ import annotations
@@ -15,13 +18,20 @@ import sys
 import time
 
 from ssl_vit import startup
-from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
+from ssl_vit.evaluation.cli import (
+    add_common_args,
+    add_train_indices_arg,
+    features_from_args,
+    report,
+    run_main,
+)
 from ssl_vit.evaluation.options import DEFAULT_L2_GRID, DEFAULT_LR_GRID
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(p)
+    add_train_indices_arg(p, "fit the probe (and choose its L2)")
     p.add_argument(
         "--solver",
         choices=("lbfgs", "adamw"),
@@ -43,6 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         help="AdamW learning rates tried",
     )
     p.add_argument("--val-fraction", type=float, default=0.1, help="held-out share of train")
+    p.add_argument(
+        "--cv-folds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="choose the L2 strength by stratified N-fold cross-validation on the fitting set "
+        "(folds drawn with --probe-seed) instead of a --val-fraction split; every class needs "
+        "N samples",
+    )
     p.add_argument("--max-iter", type=int, default=300, help="L-BFGS iterations")
     p.add_argument(
         "--epochs", type=int, default=None, help="AdamW (default 30) or --mae (default 90) epochs"
@@ -64,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.val_fraction < 1:
         p.error("--val-fraction must be in (0, 1)")
+    if args.cv_folds is not None and (args.cv_folds < 2 or args.mae):
+        p.error("--cv-folds takes N >= 2, and not with --mae (which chooses nothing)")
     from ssl_vit.evaluation.linear_probe import linear_probe_eval, mae_probe_eval  # torch: now
 
     t0 = time.perf_counter()
@@ -86,13 +107,18 @@ def main(argv: list[str] | None = None) -> int:
             l2_grid=tuple(args.l2),
             lr_grid=tuple(args.lr),
             val_fraction=args.val_fraction,
+            cv_folds=args.cv_folds,
             max_iter=args.max_iter,
             epochs=args.epochs or 30,
             batch_size=args.probe_batch_size or 1024,
             seed=args.probe_seed,
             device=args.device,
         )
-        options = {"probe": args.solver, "l2_grid": args.l2, "val_fraction": args.val_fraction}
+        options = {"probe": args.solver, "l2_grid": args.l2}
+        if args.cv_folds is None:
+            options["val_fraction"] = args.val_fraction
+        else:
+            options.update(cv_folds=args.cv_folds, probe_seed=args.probe_seed)
     report(args, "linear_probe", bb, metrics, options, time.perf_counter() - t0)
     return 0
 

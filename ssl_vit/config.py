@@ -107,6 +107,10 @@ class DataConfig:
     # Hashed share of the rest that training reads (1.0: all): 0.1 fine-tunes on 10% of the
     # labels, the label-scarce regime where pretraining on every image should pay.
     train_fraction: float = 1.0
+    # A JSON file listing the manifest indices of `split` that training reads (sorted; none held
+    # out), e.g. a class-balanced few per class; every other sample is left out. Not with
+    # train_fraction < 1. None: all (ssl_vit.data.holdout).
+    subset_file: str | None = None
     # Decode the split once into RAM and batch from there (ssl_vit.data.memory): true, false,
     # or auto (when its images share one size and decode to at most 2 GiB per rank).
     in_memory: Any = "auto"
@@ -145,6 +149,8 @@ class ObjectiveConfig:
     random_prob: float = MPP.random_prob  # of corrupted: another patch's embedding
     target: str = MPP.target  # one of ssl_vit.recipe.TARGETS
     bits: int = MPP.bits  # colour bits per channel of the targets
+    # target=pixels only: each patch's pixels less their mean, over their std (MAE's target)
+    normalize_pixels: bool = False
     label_smoothing: float = 0.0
     mpp_weight: float = 1.0
     supervised_weight: float = 1.0
@@ -381,6 +387,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"data.crop_scale={list(d.crop_scale)}: give [smallest, largest] share of the area, "
             "e.g. [0.08, 1.0]"
         )
+    if d.subset_file is not None and d.train_fraction < 1:
+        raise ConfigError(
+            f"data.subset_file={d.subset_file!r} and data.train_fraction={d.train_fraction} both "
+            "choose the samples trained on; give one"
+        )
+    if d.subset_file is not None and d.missing_shards == "skip":
+        raise ConfigError(
+            f"data.subset_file={d.subset_file!r} lists manifest indices, which a skipped shard "
+            "would shift onto other samples; set data.missing_shards=error"
+        )
     if o.kind == "cascade":
         _check_cascade_sizes(o.cascade_sizes, m.img_size)
     _check_stop_signals(cfg.run.stop_signals)
@@ -388,6 +404,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             f"objective.mask_prob={o.mask_prob} + objective.random_prob={o.random_prob} exceeds "
             "1: they are shares of the corrupted patches (the rest are kept); lower one"
+        )
+    if o.normalize_pixels and o.target != "pixels":
+        raise ConfigError(
+            f"objective.normalize_pixels=true normalises pixel targets, but objective.target="
+            f"{o.target!r}; set objective.target=pixels or drop it"
         )
     if o.kind == "joint" and o.mpp_weight == 0 and o.supervised_weight == 0:
         raise ConfigError(

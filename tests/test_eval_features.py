@@ -1,5 +1,6 @@
 """Frozen features (pools, cache) and the evals end to end on real shards with a random backbone."""
 
+import argparse
 import importlib.util
 import io
 import json
@@ -265,3 +266,59 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
 def test_feature_cache_key_changes_with_backbone_seed():
     a, b = _tiny_backbone(0), _tiny_backbone(1)
     assert a.ident != b.ident and a.ident == _tiny_backbone(0).ident
+
+
+def test_train_indices_fit_on_those_rows_only(tiny_shards, tmp_path, capsys):
+    """--train-indices: kNN's gallery (and the probe's fitting set) is the listed samples of the
+    training split, their rows of the split's features in manifest order; the test split is
+    scored whole; the results name the file's digest and count; a bad file is one line."""
+    from ssl_vit.data.manifest import load_manifest
+    from ssl_vit.data.tar_reader import iter_samples
+    from ssl_vit.evaluation.cli import add_common_args, add_train_indices_arg, features_from_args
+
+    listed = list(range(3, 512, 9))  # 57 samples across the 4 shards
+    subset = tmp_path / "subset.json"
+    subset.write_text(json.dumps(listed))
+    common = ["--random-init", "vit_tiny_patch16_224", "--patch-size", "4",
+              "--model-kwargs", json.dumps(TINY), "--data", str(tiny_shards), "--workers", "0",
+              "--cache-dir", str(tmp_path / "cache"), "--no-mlflow", "--device", "cpu"]  # fmt: skip
+
+    def features(*extra: str):
+        p = argparse.ArgumentParser()
+        add_common_args(p)
+        add_train_indices_arg(p, "fit")
+        return features_from_args(p.parse_args([*common, *extra]))
+
+    _, whole, test = features()
+    _, part, test_again = features("--train-indices", str(subset))
+    shards = load_manifest(tiny_shards).split("train").shards  # the labels in manifest order
+    labels = np.array([int(s["cls"]) for sh in shards for s in iter_samples(tiny_shards / sh.name)])
+    np.testing.assert_array_equal(whole.labels, labels)
+    np.testing.assert_array_equal(part.labels, labels[listed])
+    np.testing.assert_array_equal(part.features, whole.features[listed])
+    np.testing.assert_array_equal(test.features, test_again.features)  # scored as before
+
+    knn = _load_script("knn")
+    out = tmp_path / "knn.json"
+    assert knn.main([*common, "--train-indices", str(subset), "--k", "5", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["metrics"]["num_train"] == len(listed) and res["metrics"]["num_test"] == 128
+    assert res["metrics"]["knn_top1@k=5"] > 0.35  # 4 brightness classes: chance is 0.25
+    assert res["params"]["train_indices_count"] == len(listed)
+    assert res["params"]["train_indices_sha256"] == sha256_file(subset)
+    probe = _load_script("linear_probe")
+    out = tmp_path / "probe.json"
+    argv = [*common, "--train-indices", str(subset), "--cv-folds", "3", "--out", str(out)]
+    assert probe.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["params"]["train_indices_count"] == len(listed) and res["params"]["cv_folds"] == 3
+    assert sum(res["metrics"]["cv_fold_sizes"]) == len(listed)  # the folds split the subset
+    assert len(res["metrics"]["probe_cv_fold_top1"]) == 3
+
+    capsys.readouterr()
+    for body, why in (("[3, 512]", "index 512, past the 512 samples"), ("[1, 1]", "not sorted")):
+        subset.write_text(body)
+        assert knn.run_main(knn.main, [*common, "--train-indices", str(subset)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --train-indices: {subset}: ")
+        assert why in lines[0]

@@ -81,3 +81,56 @@ def test_evaluations_report_on_test_else_val(tmp_path):
     assert eval_split(sets("train", "val"), "train") == "train"  # as asked
     with pytest.raises(ManifestError, match="neither a test nor a val split"):
         eval_split(sets("train"), None)
+
+
+def test_stratified_folds_balance_each_class_and_follow_the_seed():
+    from ssl_vit.evaluation.linear_probe import stratified_folds
+
+    labels = np.repeat([2, 0, 1], [10, 12, 7])[np.random.default_rng(0).permutation(29)]
+    folds = stratified_folds(labels, 5, seed=3)
+    assert folds.shape == labels.shape and set(folds.tolist()) == set(range(5))
+    for c, n in ((0, 12), (1, 7), (2, 10)):  # each class within one of its share per fold
+        per_fold = np.bincount(folds[labels == c], minlength=5)
+        assert per_fold.sum() == n and per_fold.max() - per_fold.min() <= 1
+    sizes = np.bincount(folds, minlength=5)
+    assert sizes.max() - sizes.min() <= 1  # the deal goes on across classes
+    np.testing.assert_array_equal(folds, stratified_folds(labels, 5, seed=3))  # deterministic
+    assert not np.array_equal(folds, stratified_folds(labels, 5, seed=4))
+    ten_per_class = np.repeat(np.arange(10), 10)  # the study's 10 per class in 5 folds: 2 each
+    f = stratified_folds(ten_per_class, 5, seed=0)
+    assert all((np.bincount(f[ten_per_class == c], minlength=5) == 2).all() for c in range(10))
+    with pytest.raises(ValueError, match="class 1 has 7 fitting samples, fewer than the 8 folds"):
+        stratified_folds(labels, 8)
+    with pytest.raises(ValueError, match="at least 2 folds"):
+        stratified_folds(labels, 1)
+
+
+def test_cv_folds_choose_l2_by_the_mean_fold_score_then_refit_on_all():
+    from ssl_vit.evaluation.linear_probe import fit_lbfgs, stratified_folds
+
+    x, y = _separable(400, 0, W)
+    xt, yt = _separable(300, 1, W)
+    grid = (1e-4, 1e-2, 30.0)
+    out = linear_probe_eval(x, y, xt, yt, l2_grid=grid, cv_folds=4, seed=1, device="cpu")
+    assert out["cv_folds"] == 4 and sum(out["cv_fold_sizes"]) == len(x)
+    assert out["selection"] == "stratified 4-fold cross-validation"
+    assert [r["l2"] for r in out["sweep"]] == list(grid)
+    for r in out["sweep"]:
+        assert len(r["fold_top1"]) == 4 and r["val_top1"] == pytest.approx(np.mean(r["fold_top1"]))
+    best = max(out["sweep"], key=lambda r: (r["val_top1"], r["l2"]))
+    assert out["probe_l2"] == best["l2"] != 30.0  # a penalty that underfits is not chosen
+    assert out["probe_cv_fold_top1"] == best["fold_top1"]
+    assert out["probe_val_top1"] == pytest.approx(best["val_top1"])
+
+    # One fold's score by hand: standardised by its fitting part, fitted, scored on the fold.
+    folds = stratified_folds(y, 4, seed=1)
+    tr, va = folds != 0, folds == 0
+    xs = torch.as_tensor(x)
+    mean, std = xs[tr].mean(0), xs[tr].std(0) + 1e-6
+    head = fit_lbfgs((xs[tr] - mean) / std, torch.as_tensor(y[tr]).long(), 6, best["l2"])
+    with torch.no_grad():
+        pred = head((xs[va] - mean) / std).argmax(1).numpy()
+    assert float((pred == y[va]).mean()) == pytest.approx(best["fold_top1"][0], abs=1e-6)
+    assert out["probe_top1"] >= 0.8  # the refit on the whole fitting set generalises
+    held = linear_probe_eval(x, y, xt, yt, l2_grid=grid, device="cpu")
+    assert held["selection"].startswith("held-out 0.1") and "cv_folds" not in held

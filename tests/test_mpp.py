@@ -320,3 +320,38 @@ def test_hybrid_preset_overrides_build_mpp_with_image_pixel_patches(tiny_shards)
     assert objective.patch_size == 8 and objective.grid == (4, 4) and objective.hide_pixels
     loss, _ = objective(torch.rand(2, 1, 32, 32), torch.zeros(2, dtype=torch.long))
     assert torch.isfinite(loss)
+
+
+def test_normalize_pixels_key_reaches_the_objective_and_needs_pixel_targets(tiny_shards, tmp_path):
+    """objective.normalize_pixels: read from a preset and overrides, kept in the saved config,
+    passed to MaskedPatchPrediction (targets of zero mean, unit std per patch); refused with a
+    target other than pixels, where it would change nothing."""
+    from ssl_vit.config import ConfigError, load_config, save_config
+    from ssl_vit.data.manifest import load_manifest
+    from ssl_vit.engine.build import build_from_config
+
+    preset = Path(__file__).resolve().parents[1] / "configs" / "fmnist_vit_tiny_mpp.yaml"
+    tiny = ["model.kwargs={embed_dim: 32, depth: 1, num_heads: 2}", "model.patch_size=7"]
+    cfg = load_config(preset, [*tiny, "objective.target=pixels", "objective.normalize_pixels=true"])
+    assert cfg.objective.normalize_pixels is True
+    saved = tmp_path / "config.yaml"
+    save_config(cfg, saved)
+    assert load_config(saved).objective.normalize_pixels is True  # the run dir's config resumes
+
+    objective, options, _ = build_from_config(cfg, load_manifest(tiny_shards))
+    assert options["normalize_pixels"] is True and objective.normalize_pixels
+    images = torch.rand(2, 1, 28, 28)
+    target = objective.predict(images).target.flatten(2)  # the corrupted patches' targets
+    assert torch.allclose(target.mean(-1), torch.zeros(()), atol=1e-4)
+    assert torch.allclose(target.std(-1, unbiased=False), torch.ones(()), atol=1e-3)
+    loss, metrics = objective(images, torch.zeros(2, dtype=torch.long))
+    assert torch.isfinite(loss) and "mpp/acc" not in metrics  # no colour to score
+
+    plain_pixels = load_config(preset, [*tiny, "objective.target=pixels"])
+    assert plain_pixels.objective.normalize_pixels is False  # the default: raw pixel targets
+    assert build_from_config(plain_pixels, load_manifest(tiny_shards))[0].normalize_pixels is False
+
+    with pytest.raises(ConfigError, match=r"normalize_pixels=true .*target='mean_color'"):
+        load_config(preset, ["objective.normalize_pixels=true"])
+    with pytest.raises(ConfigError, match="objective.normalize_pixels"):
+        load_config(preset, ["objective.normalize_pixels=maybe"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,12 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from ssl_vit.data.holdout import excluded_indices, held_out_indices
+from ssl_vit.data.holdout import (
+    MAX_SUBSET_BYTES,
+    excluded_indices,
+    held_out_indices,
+    read_subset_file,
+)
 from ssl_vit.data.manifest import Manifest, ManifestError, ShardInfo, SplitInfo, write_manifest
 from ssl_vit.data.stream import make_eval_loader, make_train_loader
 
@@ -412,3 +419,76 @@ def test_gpu_decode_path_matches_the_cpu_path(tmp_path: Path) -> None:
     assert compared == 2
     with pytest.raises(ValueError, match="needs a device"):
         make_train_loader(root, "train", decode="gpu", **kw)
+
+
+def _subset_file(path: Path, values) -> Path:
+    path.write_text(json.dumps(values))
+    return path
+
+
+def test_subset_file_trains_on_the_listed_samples_only(tmp_path: Path) -> None:
+    """data.subset_file: both loaders train on the listed samples and no other (in RAM each
+    once an epoch), the held-out ones staying out through the same exclusions as
+    data.train_fraction."""
+    root = make_set(tmp_path / "set", [100, 100, 100])
+    held = set(held_out_indices(300, 0.1).tolist())
+    listed = [i for i in range(0, 300, 7) if i not in held]  # across all three shards
+    keep = read_subset_file(_subset_file(tmp_path / "subset.json", listed), 300, 0.1)
+    assert keep.dtype == np.int64 and keep.tolist() == listed
+    unused = excluded_indices(300, 0.1, subset=keep)
+    assert sorted(set(range(300)) - set(unused.tolist())) == listed
+    for in_memory in (False, True):
+        loader = _train(root, global_batch=4, holdout_fraction=0.1, subset=keep,
+                        augment=False, in_memory=in_memory)  # fmt: skip
+        labels = torch.cat(_epoch(loader)[1]).tolist()
+        assert len(labels) == 4 * (len(listed) // 4) and set(labels) <= set(listed)
+        if in_memory:
+            assert len(set(labels)) == len(labels)  # each once; the remainder waits a batch
+    with pytest.raises(ValueError, match="or list more samples in the subset"):
+        _train(root, global_batch=16, subset=keep[:3])
+    with pytest.raises(ValueError, match="not both"):
+        excluded_indices(300, 0.1, train_fraction=0.5, subset=keep)
+
+
+@pytest.mark.parametrize(
+    "body,why",
+    [
+        ("[1, 2", "not JSON"),
+        ('{"indices": [1, 2]}', "holds dict"),
+        ("[]", "holds list"),
+        ("[1, true]", "lists true, not a manifest index"),
+        ("[1, 2.0]", "lists 2.0, not a manifest index"),
+        ("[-1, 2]", "lists -1, not a manifest index"),
+        ('[1, "2"]', 'lists "2", not a manifest index'),
+        ("[3, 2]", "not sorted, or one repeats"),
+        ("[2, 2]", "not sorted, or one repeats"),
+        ("[1, 300]", "index 300, past the 300 samples"),
+        ("[1, 100000000000000000000000]", "past the 300 samples"),
+        ("[" * 100000, "not JSON"),
+    ],
+)
+def test_a_bad_subset_file_is_one_line_naming_it(tmp_path: Path, body: str, why: str) -> None:
+    path = tmp_path / "subset.json"
+    path.write_text(body)
+    with pytest.raises(ValueError) as e:
+        read_subset_file(path, 300, 0.0)
+    assert str(e.value).startswith(f"{path}: ") and why in str(e.value)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
+def test_a_subset_file_with_a_held_out_index_or_no_file_is_refused(tmp_path: Path) -> None:
+    held = held_out_indices(300, 0.1)
+    path = _subset_file(tmp_path / "subset.json", [0, int(held[0])] if held[0] else [int(held[0])])
+    with pytest.raises(
+        ValueError, match=rf"subset.json: lists 1 held-out index\(es\) \(first {held[0]};"
+    ):
+        read_subset_file(path, 300, 0.1)
+    assert read_subset_file(path, 300, 0.0).tolist() == json.loads(path.read_text())
+    for missing in (tmp_path / "nope.json", tmp_path):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(missing))}: cannot read"):
+            read_subset_file(missing, 300, 0.0)
+    big = tmp_path / "big.json"
+    with big.open("wb") as f:  # sparse: the size is refused before a byte is read
+        f.truncate(MAX_SUBSET_BYTES + 1)
+    with pytest.raises(ValueError, match="more than the 67108864 a subset file may hold"):
+        read_subset_file(big, 300, 0.0)

@@ -5,6 +5,7 @@ Tiny ViTs on the 16x16 toy shards of conftest; each test is a few dozen steps.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -383,3 +384,23 @@ def test_sweep_retrains_a_value_whose_settings_changed(tmp_path):
     _set_aside_if_changed(out, changed)
     assert not out.exists()
     assert [p.name.split(".stale-")[0] for p in tmp_path.iterdir()] == ["optim.lr=0.01"]
+
+
+def test_finetune_on_a_subset_file_trains_its_samples_only(tiny_shards, tmp_path, mlflow_db):
+    """data.subset_file in a real run: the epoch is the listed samples (64 at batch 32: 2
+    steps), the held-out 2% still chooses, and the log names the file's digest."""
+    held = set(held_out_indices(512, 0.02).tolist())
+    subset = tmp_path / "subset.json"
+    subset.write_text(json.dumps([i for i in range(512) if i not in held][3::7][:64]))
+    ft = tmp_path / "ft"
+    args = [a for a in overrides(tiny_shards, ft, mlflow_db, "train.epochs=2")
+            if a != "train.epochs=null"]  # fmt: skip
+    proc = run_cli(["evals/finetune.py", "--config", "configs/fmnist_finetune.yaml",
+                    "model.init_from=null", *args, f"data.subset_file={subset}",
+                    "optim.warmup_steps=1"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((ft / "results.json").read_text())
+    assert [h[0] for h in result["history"]] == [2, 4]
+    assert result["selection_split"].startswith("train (held-out 0.02")
+    digest = hashlib.sha256(subset.read_bytes()).hexdigest()
+    assert f"training on the 64 samples of {subset} (sha256 {digest})" in proc.stderr

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
@@ -258,9 +259,10 @@ def load_training_samples(
     ctx: mp.context.BaseContext,
     train_fraction: float = 1.0,
     missing: str = "error",
+    subset: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(images (N, C, H, W) uint8, labels (N,)) of the split's readable samples that training
-    uses (not held out, inside `train_fraction`: ssl_vit.data.holdout),
+    uses (not held out, inside `train_fraction` or `subset`: ssl_vit.data.holdout),
     decoded by `num_workers` workers started from `ctx`; make_train_loader(in_memory=True)
     batches them."""
     resolve_in_memory(True, manifest, split)  # one size of image, or a one-line error
@@ -269,7 +271,7 @@ def load_training_samples(
     workers = num_workers if total > IN_PROCESS_SAMPLES else 0  # ssl_vit.data.workers
     images, labels, index = _decode_split(manifest, split, shards, workers, counter, ctx, missing)
     # The held-out hash ranges over the shards present, as the streaming loaders number them.
-    unused = excluded_indices(total, holdout_fraction, train_fraction)
+    unused = excluded_indices(total, holdout_fraction, train_fraction, subset)
     keep = ~torch.isin(index, torch.from_numpy(unused))
     images, labels = images[keep].contiguous(), labels[keep].contiguous()
     secs = time.perf_counter() - start

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -263,6 +264,7 @@ def make_train_loader(
     missing: Literal["error", "skip"] = "error",
     holdout_fraction: float = 0.0,
     train_fraction: float = 1.0,
+    subset: np.ndarray | None = None,
     shuffle_buffer: int = 2000,
     shuffle_initial: int = 500,
     pin_memory: bool | None = None,
@@ -281,7 +283,8 @@ def make_train_loader(
     paper's random resized crop (`scale`) and flip (`hflip`), and a random shift of up to
     `translate` pixels per axis (zero-filled; 0: none); without it, a centre resize.
     `holdout_fraction` keeps that hashed share of the split out of training (module doc);
-    `train_fraction` < 1 trains on that hashed share of the rest (ssl_vit.data.holdout).
+    `train_fraction` < 1 trains on that hashed share of the rest, `subset` (sorted manifest
+    indices, from ssl_vit.data.holdout.read_subset_file) on those only (ssl_vit.data.holdout).
     Resume with the same seed, world_size and num_workers for an exact continuation.
     `in_memory`: the split decoded once by `num_workers` workers and batched from RAM
     (ssl_vit.data.memory, same contract), held and augmented on `device` when given (a GPU).
@@ -310,11 +313,13 @@ def make_train_loader(
             ctx,
             train_fraction,
             missing,
+            subset,
         )
         num_samples = len(images)
     else:
         total = sum(r.num_samples for r in shards)
-        exclusions = Exclusions(excluded_indices(total, holdout_fraction, train_fraction).tolist())
+        unused = excluded_indices(total, holdout_fraction, train_fraction, subset)
+        exclusions = Exclusions(unused.tolist())
         num_samples = total - len(exclusions.sorted)
     steps = num_samples // global_batch
     if steps == 0:
@@ -322,6 +327,7 @@ def make_train_loader(
             f"{manifest.root}: split {split!r} has {num_samples} samples to train on, fewer than "
             f"one global batch of {global_batch}; lower the batch size"
             + (f" or raise data.train_fraction={train_fraction}" if train_fraction < 1 else "")
+            + (" or list more samples in the subset" if subset is not None else "")
         )
     aug = dict(
         img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip, translate=translate

@@ -10,10 +10,14 @@ import difflib
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ssl_vit.config import KWARGS_SET_ELSEWHERE, Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
 from ssl_vit.data.urls import join, probe_range
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +27,13 @@ class DataPlan:
     """What a config means on its shard set: what `--check` reports."""
 
     manifest: Manifest
-    num_train: int  # samples trained on (held-out ones and train_fraction left out)
+    num_train: int  # samples trained on (held-out ones, and those train_fraction or
+    # subset_file leave out)
     steps_per_epoch: int
     total_steps: int
     read_factor: float  # times an epoch reads the shard set (1.0: in RAM or resampled)
     ranged: bool | None = None  # the web server answers Range requests (None: not one)
+    subset: np.ndarray | None = None  # the indices data.subset_file lists, checked
 
     @property
     def epochs(self) -> float:
@@ -56,7 +62,8 @@ def check_data(cfg: Config, world: int, probe_remote: bool = True) -> DataPlan:
             f"{manifest.channels} channel(s); drop model.in_chans to follow the data"
         )
     num_train, fraction = split.num_samples, cfg.data.train_fraction
-    if cfg.holdout_share > 0 or fraction < 1:  # imported late: numpy
+    subset_file, subset = cfg.data.subset_file, None
+    if cfg.holdout_share > 0 or fraction < 1 or subset_file:  # imported late: numpy
         from ssl_vit.data.holdout import excluded_indices, held_out_indices
 
         held = len(held_out_indices(split.num_samples, cfg.holdout_share))
@@ -65,19 +72,36 @@ def check_data(cfg: Config, world: int, probe_remote: bool = True) -> DataPlan:
                 f"data.holdout_fraction={cfg.holdout_share} holds out no sample of the "
                 f"{split.num_samples} in split {cfg.data.split!r}; raise it"
             )
-        num_train -= len(excluded_indices(split.num_samples, cfg.holdout_share, fraction))
+        subset = read_subset(cfg, split.num_samples)
+        num_train -= len(
+            excluded_indices(split.num_samples, cfg.holdout_share, fraction, subset=subset)
+        )
     steps_per_epoch = num_train // cfg.train.global_batch
     if steps_per_epoch == 0:
         raise ConfigError(
             f"train.global_batch={cfg.train.global_batch} exceeds the {num_train} training "
             f"samples of split {cfg.data.split!r}; lower the batch"
             + (f" or raise data.train_fraction={fraction}" if fraction < 1 else "")
+            + (f" or list more in data.subset_file={subset_file}" if subset_file else "")
         )
     ranged = probe_range(join(str(manifest.root), split.shards[0].name)) if split.shards else None
     factor = check_read_plan(cfg, manifest, world)  # after the probe: its reads depend on it
     check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
-    return DataPlan(manifest, num_train, steps_per_epoch, total_steps, factor, ranged)
+    return DataPlan(manifest, num_train, steps_per_epoch, total_steps, factor, ranged, subset)
+
+
+def read_subset(cfg: Config, num_samples: int) -> np.ndarray | None:
+    """The indices `data.subset_file` lists, checked against a split of `num_samples` (None
+    without one); a bad file is a ConfigError naming it."""
+    if cfg.data.subset_file is None:
+        return None
+    from ssl_vit.data.holdout import read_subset_file
+
+    try:
+        return read_subset_file(cfg.data.subset_file, num_samples, cfg.holdout_share)
+    except ValueError as e:
+        raise ConfigError(f"data.subset_file: {e}") from None
 
 
 def check_remote_shards(manifest: Manifest, split: str, missing: str) -> None:
@@ -138,7 +162,8 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> float:
         return 1.0
     shards = select_shards(manifest, d.split, d.missing_shards)  # type: ignore[arg-type]
     total = sum(r.num_samples for r in shards)
-    exclusions = Exclusions(excluded_indices(total, cfg.holdout_share, d.train_fraction))
+    subset = read_subset(cfg, total)
+    exclusions = Exclusions(excluded_indices(total, cfg.holdout_share, d.train_fraction, subset))
     steps = (total - len(exclusions.sorted)) // cfg.train.global_batch  # missing shards left out
     workers = max(1, d.num_workers)
     batch = cfg.train.global_batch // world

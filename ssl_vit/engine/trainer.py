@@ -17,6 +17,7 @@ re-seeded from (seed, rank, step), so a resumed run draws what it would have dra
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -143,12 +144,14 @@ def setup(cfg: Config, header: str = "") -> Run:
     # A remote set's shards are asked for once, by rank 0; a rank that finds a problem stops
     # every rank with its line.
     try:
-        manifest, problem = check_data(cfg, world, probe_remote=rank == 0).manifest, None
+        plan, problem = check_data(cfg, world, probe_remote=rank == 0), None
     except (ConfigError, ManifestError) as e:
-        manifest, problem = None, str(e)
+        plan, problem = None, str(e)
     problems = [p for p in all_gather_object(problem) if p]
     if problems:
         raise ConfigError(problems[0])
+    assert plan is not None  # every rank checked, or all stopped above
+    manifest = plan.manifest
 
     run_dir = Path(cfg.run.dir)
     saved = run_dir / "config.yaml"
@@ -179,6 +182,15 @@ def setup(cfg: Config, header: str = "") -> Run:
         decode = "gpu" if device.type == "cuda" and not cfg.data.translate else "cpu"
     if rank == 0:
         log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
+        subset_file = cfg.data.subset_file
+        if subset_file:  # the path alone would not say which samples a rerun trained on
+            digest = hashlib.sha256(Path(subset_file).read_bytes()).hexdigest()
+            log.info(
+                "training on the %d samples of %s (sha256 %s)",
+                len(plan.subset),
+                subset_file,
+                digest,
+            )
         if not in_ram:
             log.info("training images decoded on the %s (data.decode=%s)", decode, cfg.data.decode)
     d = cfg.data
@@ -203,6 +215,7 @@ def setup(cfg: Config, header: str = "") -> Run:
         timeout=d.stall_timeout,
         holdout_fraction=cfg.holdout_share,  # chosen on, never trained on
         train_fraction=d.train_fraction,
+        subset=plan.subset,
         in_memory=in_ram,
         multiprocessing_context=IN_TRAINING_START,
         # batches made on the GPU; decode=gpu on a CPU runs the same code there (tests)

@@ -7,6 +7,7 @@ argument answer at once; torch, timm and FAISS load with the first feature work.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,6 +23,8 @@ from ssl_vit.logs import setup_logging, wants_verbose
 from ssl_vit.registry import resolve_export
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ssl_vit.features import EvalBackbone, FeatureSet
 
 
@@ -115,6 +118,54 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="MLflow run to nest this eval's run under (default: the pretraining run)",
     )
+
+
+def add_train_indices_arg(p: argparse.ArgumentParser, fits: str) -> None:
+    p.add_argument(
+        "--train-indices",
+        metavar="JSON",
+        default=None,
+        help=f"{fits} on these samples of the training split only: a JSON list of their "
+        "manifest indices, sorted (a data.subset_file fits); the test split is scored whole. "
+        "The file's sha256 and count go in the results",
+    )
+
+
+def read_train_indices(args: argparse.Namespace, manifest: Manifest) -> np.ndarray | None:
+    """The indices `--train-indices` lists, checked against the training split (None without
+    it); their file, digest and count are kept in args.train_indices_record for the results."""
+    args.train_indices_record = None
+    path = getattr(args, "train_indices", None)
+    if path is None:
+        return None
+    from ssl_vit.data.holdout import read_subset_file
+    from ssl_vit.io import sha256_file
+
+    try:
+        idx = read_subset_file(path, manifest.split(args.train_split).num_samples, 0.0)
+    except ValueError as e:
+        raise ValueError(f"--train-indices: {e}") from None
+    args.train_indices_record = {
+        "train_indices": str(path),
+        "train_indices_sha256": sha256_file(path),
+        "train_indices_count": len(idx),
+    }
+    return idx
+
+
+def select_rows(fs: FeatureSet, indices: np.ndarray, num_samples: int, where: str) -> FeatureSet:
+    """The rows of a split's features at these manifest indices. The features hold one row per
+    sample in manifest order only when every sample was readable (the loader passes over a
+    corrupt one), so anything else is refused rather than a row taken for another image."""
+    from ssl_vit.features import FeatureError
+
+    if len(fs.labels) != num_samples:
+        raise FeatureError(
+            f"{where}: {len(fs.labels)} of its {num_samples} training samples were readable, so "
+            "feature rows no longer match manifest indices and --train-indices cannot pick "
+            "them; repair the set (data_prep/verify_shards.py)"
+        )
+    return dataclasses.replace(fs, features=fs.features[indices], labels=fs.labels[indices])
 
 
 def _layer_arg(value: str) -> int | str:
@@ -212,6 +263,7 @@ def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureS
     args.test_split = eval_split(manifest, args.test_split)
     for split in (args.train_split, args.test_split):  # fail before any model or feature work
         manifest.split(split)
+    subset = read_train_indices(args, manifest)
     bb = load_backbone_from_args(args)
     kw: dict[str, Any] = dict(
         n_last=args.n_last,
@@ -228,6 +280,9 @@ def features_from_args(args: argparse.Namespace) -> tuple[EvalBackbone, FeatureS
     startup.ready()  # the models are loaded: later GC passes skip them (ssl_vit/startup.py)
     kw.update(pool=args.pool, layer=args.layer)
     train = split_features(bb, args.data, args.train_split, **kw)
+    if subset is not None:  # the whole split's features are cached; the subset is rows of them
+        n = manifest.split(args.train_split).num_samples
+        train = select_rows(train, subset, n, manifest.where)
     test = split_features(bb, args.data, args.test_split, **kw)
     return bb, train, test
 
@@ -254,6 +309,7 @@ def report(
         "pool": args.pool if args.pool != "lastn" else f"lastn{args.n_last}",
         "layer": args.layer if args.layer is not None else "last",
         "img_size": bb.img_size,
+        **(getattr(args, "train_indices_record", None) or {}),
         **options,
     }
     results = {

@@ -4,8 +4,9 @@ Default recipe: full-batch L-BFGS on softmax cross-entropy + (l2 / 2) ||W||^2 (t
 penalised), on the GPU when there is one. Each loss and gradient is summed over chunks of
 CHUNK rows, so the logits of a 1.28M-image, 1000-class set never exist at once. The strength
 l2 (and, for the minibatch AdamW solver, the learning rate) is chosen on a held-out part of the
-training split; the probe is then refit on the whole training split and reported on the test
-split (top-1, top-5).
+training split, or with `cv_folds` by stratified cross-validation over it (a fitting set of a
+few labelled images per class has no part to spare); the probe is then refit on the whole
+training split and reported on the test split (top-1, top-5).
 
 Option `mae_probe`: the MAE paper's probe (He et al. 2022, appendix A.2) for comparability
 with published numbers: BatchNorm without affine in front of the linear layer, LARS with
@@ -115,6 +116,31 @@ def _scores(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head(xc) for xc in x.split(CHUNK)])
 
 
+def stratified_folds(labels: np.ndarray, n_folds: int, seed: int = 0) -> np.ndarray:
+    """The fold (0 .. n_folds-1) of each sample: each class's samples shuffled (numpy PCG64,
+    seeded) and dealt to the folds in turn, the deal going on from class to class, so every
+    fold holds each class within one sample of its share and the folds' sizes differ by at
+    most one. Depends on the labels and the seed only."""
+    labels = np.asarray(labels)
+    if n_folds < 2:
+        raise ValueError(f"cross-validation needs at least 2 folds, got {n_folds}")
+    classes, counts = np.unique(labels, return_counts=True)
+    if len(classes) and counts.min() < n_folds:
+        c = classes[counts.argmin()]
+        raise ValueError(
+            f"class {c} has {counts.min()} fitting samples, fewer than the {n_folds} folds: "
+            "some folds would not see it; lower --cv-folds"
+        )
+    rng = np.random.default_rng(seed)
+    folds = np.empty(len(labels), dtype=np.int64)
+    dealt = 0
+    for c in classes:  # a fixed order: the folds depend on the seed only
+        members = rng.permutation(np.flatnonzero(labels == c))
+        folds[members] = (dealt + np.arange(len(members))) % n_folds
+        dealt += len(members)
+    return folds
+
+
 def _sweep(fit, grid: list, train: tuple, val: tuple) -> list[dict[str, float]]:
     """Validation top-1 of a head fitted on `train` for every (l2, lr) of `grid`."""
     sweep = []
@@ -136,13 +162,15 @@ def linear_probe_eval(
     l2_grid: tuple[float, ...] = DEFAULT_L2_GRID,
     lr_grid: tuple[float, ...] = DEFAULT_LR_GRID,
     val_fraction: float = 0.1,
+    cv_folds: int | None = None,
     max_iter: int = 300,
     epochs: int = 30,
     batch_size: int = 1024,
     seed: int = 0,
     device: str | torch.device | None = None,
 ) -> dict[str, Any]:
-    """Choose l2 (and lr) on a held-out part of train, refit on all of train, report on test;
+    """Choose l2 (and lr) on a held-out part of train (`val_fraction`), or by the mean top-1
+    over stratified `cv_folds`-fold cross-validation, refit on all of train, report on test;
     on `device` (default: the GPU when there is one)."""
     if (train_labels < 0).any() or (test_labels < 0).any():
         raise ValueError("the linear probe needs labelled train and test splits (found label -1)")
@@ -156,18 +184,29 @@ def linear_probe_eval(
     xt = torch.as_tensor(np.asarray(test_features, dtype=np.float32)).to(dev)
     yt = torch.as_tensor(test_labels).long().to(dev)
 
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed)).to(dev)
-    n_val = max(1, int(round(val_fraction * len(x))))
-    va, tr = perm[:n_val], perm[n_val:]
-    xtr, xva = _standardize(x[tr], x[va])  # statistics of the fitting part only
-
     def fit(xf: torch.Tensor, yf: torch.Tensor, l2: float, lr: float) -> nn.Linear:
         if solver == "lbfgs":
             return fit_lbfgs(xf, yf, num_classes, l2, max_iter)
         return fit_adamw(xf, yf, num_classes, l2, lr, epochs, batch_size, seed)
 
     grid = [(l2, lr) for l2 in l2_grid for lr in (lr_grid if solver == "adamw" else (0.0,))]
-    sweep = _sweep(fit, grid, (xtr, y[tr]), (xva, y[va]))
+    if cv_folds is None:
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed)).to(dev)
+        n_val = max(1, int(round(val_fraction * len(x))))
+        va, tr = perm[:n_val], perm[n_val:]
+        xtr, xva = _standardize(x[tr], x[va])  # statistics of the fitting part only
+        sweep = _sweep(fit, grid, (xtr, y[tr]), (xva, y[va]))
+    else:
+        folds = torch.as_tensor(stratified_folds(train_labels, cv_folds, seed)).to(dev)
+        per_fold = []
+        for k in range(cv_folds):
+            tr, va = (folds != k).nonzero()[:, 0], (folds == k).nonzero()[:, 0]
+            xtr, xva = _standardize(x[tr], x[va])  # each fold standardised by its fitting part
+            per_fold.append(_sweep(fit, grid, (xtr, y[tr]), (xva, y[va])))
+        sweep = []  # each point's mean over the folds, and its fold scores
+        for i, point in enumerate(per_fold[0]):
+            scores = [fold[i]["val_top1"] for fold in per_fold]
+            sweep.append({**point, "val_top1": float(np.mean(scores)), "fold_top1": scores})
     best = max(sweep, key=lambda r: (r["val_top1"], r["l2"]))  # ties: the stronger penalty
 
     xs, xts = _standardize(x, xt)
@@ -184,6 +223,15 @@ def linear_probe_eval(
         "solver": solver,
         "sweep": sweep,
     }
+    if cv_folds is not None:  # the chosen point's mean is probe_val_top1; its folds here
+        out.update(
+            selection=f"stratified {cv_folds}-fold cross-validation",
+            cv_folds=cv_folds,
+            cv_fold_sizes=np.bincount(folds.cpu().numpy(), minlength=cv_folds).tolist(),
+            probe_cv_fold_top1=best["fold_top1"],
+        )
+    else:
+        out["selection"] = f"held-out {val_fraction} of the fitting set"
     if solver == "adamw":
         out["probe_lr"] = best["lr"]
     return out

@@ -79,6 +79,7 @@ def options_from_config(o: ObjectiveConfig, *, in_chans: int, num_classes: int |
         "random_prob": o.random_prob,
         "target": o.target,
         "bits": o.bits,
+        "normalize_pixels": o.normalize_pixels,
     }
     supervised = {"num_classes": num_classes, "label_smoothing": o.label_smoothing}
     if o.kind == "mpp":

@@ -55,13 +55,7 @@ KNN_K = 20
 # at the lr the Fashion-MNIST study's own grid chose on held-out for all the labels.
 BASELINE_EPOCHS, BASELINE_LR = 100, "2e-3"
 
-TO_BUILD = {  # flag -> what it does (PLAN.md, "To build")
-    "data.subset_file": "training reads only the manifest indices listed in this JSON file",
-    "objective.normalize_pixels": "the MPP objective's per-patch pixel normalisation as a key",
-    "--train-indices": "knn.py / linear_probe.py fit (gallery) on these training indices only",
-    "--cv-folds": "linear_probe.py chooses L2 by stratified k-fold CV on its fitting set",
-    "studies/mpp_label_scarce/subsets.py": "a CLI writing the subset files from the labels",
-}
+TO_BUILD: dict[str, str] = {}  # flag -> what it does (PLAN.md, "To build"): all built
 
 COMMON = [f"data.root={SHARDS}", f"data.holdout_fraction={HOLDOUT}", "monitor.knn_every=0"]
 RANDOM_INIT = ["model.patch_size=7", f"model.kwargs={SMALL_VIT}"]
