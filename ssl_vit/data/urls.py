@@ -224,7 +224,9 @@ def note_no_range(error: BaseException | None, url: str) -> bool:
 def ranged(url: str) -> bool:
     """Whether a reader of `url` can start inside the file: false for a pipe and for a web
     server found to ignore Range requests (probe_range, note_no_range)."""
-    return not is_pipe(url) and _server(url) not in _NO_RANGE if "://" in url else True
+    if is_pipe(url):
+        return False
+    return "://" not in url or _server(url) not in _NO_RANGE
 
 
 def probe_range(url: str, retry: Retry | None = None) -> bool | None:
