@@ -499,5 +499,7 @@ def run(steps: list, root: Path, study: Path, only: list[str] | None = None) -> 
         if rc:
             return rc
     done = "the steps asked for" if only else "all steps"
-    print(f"[study] {done} done; python studies/mpp_fashion_mnist/study.py report", flush=True)
+    entry = Path(sys.argv[0]).resolve()  # the study's own study.py (each study has one)
+    hint = entry.relative_to(root) if entry.is_relative_to(root) else entry
+    print(f"[study] {done} done; python {hint} report", flush=True)
     return 0

@@ -64,15 +64,12 @@ def bootstrap_interval(
     """The two-level bootstrap: subsets drawn with replacement, then within each drawn subset
     the arm's seeds and random init's seeds, each with replacement; percentile interval."""
     rng = np.random.Generator(np.random.PCG64(seed))
-    a = [np.asarray(x, dtype=float) for x in arm]
-    b = [np.asarray(x, dtype=float) for x in base]
+    a, b = np.asarray(arm, dtype=float), np.asarray(base, dtype=float)  # (K, seeds)
     k = len(a)
-    stats = np.empty(resamples)
-    for i in range(resamples):
-        picks = rng.integers(0, k, size=k)
-        stats[i] = np.mean(
-            [rng.choice(a[j], a[j].size).mean() - rng.choice(b[j], b[j].size).mean() for j in picks]
-        )
+    picks = rng.integers(0, k, size=(resamples, k))[..., None]  # (R, K, 1): the drawn subsets
+    seeds_a = rng.integers(0, a.shape[1], size=(resamples, k, a.shape[1]))  # (R, K, Sa)
+    seeds_b = rng.integers(0, b.shape[1], size=(resamples, k, b.shape[1]))
+    stats = (a[picks, seeds_a].mean(-1) - b[picks, seeds_b].mean(-1)).mean(-1)  # (R,)
     tail = 100 * (1.0 - level) / 2.0
     low, high = np.percentile(stats, [tail, 100 - tail])
     return float(low), float(high)

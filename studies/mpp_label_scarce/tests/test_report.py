@@ -1,0 +1,59 @@
+"""The report reads what the steps wrote: with no results it says what is missing, with a full
+set it names the pilot's choice, the statistics and one verdict word."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from studies.mpp_label_scarce import steps as S
+from studies.mpp_label_scarce.report import write_report
+
+GAIN = {"random": 0.0, "mpp_e10": 1.0, "mpp_e40": 2.0, "pixels_e40": 6.0, "supervised_e40": 9.0}
+
+
+def _write(root, name: str, result: dict) -> None:
+    path = root / S.RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"step": name, "result": result}))
+
+
+def _history(top: float) -> dict:
+    rows = [[150 * (i + 1), top - 0.001 * (9 - i) ** 0.5, 0.0] for i in range(10)]
+    return {"history_columns": ["step", "selection_top1", "report_top1"], "history": rows}
+
+
+def test_an_empty_study_says_what_is_missing(tmp_path):
+    text = write_report(tmp_path).read_text()
+    assert f"Status: 0 of the {sum(not s.gpu for s in S.plan())} CPU steps" in text
+    assert "Not chosen yet: 0 of 24 pilot runs" in text and "Not yet: the rule needs" in text
+
+
+def test_a_full_study_names_the_choice_the_statistics_and_one_verdict(tmp_path):
+    rng = np.random.default_rng(0)
+    for step in S.pilot_steps():
+        lr = float(step.name.split("lr=")[1].split(",")[0])
+        _write(tmp_path, step.name, {"selection_final_top1": 0.8 - abs(lr - 0.01), **_history(0.8)})
+    for arm in S.arms():
+        for n in S.PER_CLASS:
+            for k in S.SUBSET_SEEDS:
+                for s in S.PRETRAIN_SEEDS:
+                    acc = (70 + n / 10 + GAIN.get(arm, 0) + rng.normal(0, 0.3)) / 100
+                    tag = f"{arm}/n{n}_k{k}_s{s}"
+                    _write(tmp_path, f"ft/{tag}", {"final_top1": acc})
+                    _write(
+                        tmp_path,
+                        f"probe/{tag}",
+                        {"metrics": {"probe_top1": acc + 0.04 * (arm != "random")}},
+                    )
+                    _write(tmp_path, f"knn/{tag}", {"metrics": {"knn_top1@k=20": acc}})
+    text = write_report(tmp_path).read_text()
+    assert (
+        "**Chosen: optim.lr=0.01, optim.weight_decay=0.** On the grid's edge in weight decay 0"
+        in text
+    )
+    assert "1500 steps stand" in text
+    assert "**MPP (40 epochs) against random init: win.**" in text
+    assert "| pixels_e40 |" in text and "bootstrap 95%" in text
+    assert "## The baseline that stands\n\nNot run yet." in text
