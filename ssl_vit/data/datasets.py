@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from itertools import count
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -54,11 +54,48 @@ class EpochPosition:
             self._value[0], self._value[1] = epoch, skip_batches
 
 
+# Seconds a loader may go without a batch (its workers' start included) before it stops: far
+# above any honest batch time, short of a job that waits all night (data.stall_timeout).
+STALL_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True, eq=False)
+class LoaderSpec:
+    """How a training loader reads its split: one frozen record from the config (or a caller's
+    keywords) down to the streams, defaults declared here once. Which set and split, which rank
+    and device are the loader's arguments; everything about reading them is this."""
+
+    global_batch: int  # images per optimizer step over all ranks
+    num_workers: int = 4  # loader worker processes (0: in the main process)
+    img_size: int = 224
+    seed: int = 0  # shuffles and augmentations are functions of (seed, epoch, stream, position)
+    augment: bool = True  # random resized crop + flip (paper, B.1.2); False: a centre resize
+    scale: tuple[float, float] = (0.08, 1.0)  # the crop's share of the image area
+    hflip: bool = True
+    translate: int = 0  # random shift of up to this many pixels per axis (0: none)
+    missing: Literal["error", "skip"] = "error"  # a shard that cannot be read: stop, or count
+    holdout_fraction: float = 0.0  # the hashed share held out to choose on (never trained on)
+    train_fraction: float = 1.0  # train on this hashed share of the rest
+    subset: np.ndarray | None = None  # sorted manifest indices: train on these only
+    shuffle_buffer: int = 2000
+    shuffle_initial: int = 500
+    pin_memory: bool | None = None  # None: where CUDA is
+    prefetch_factor: int = 2
+    timeout: float = STALL_TIMEOUT  # seconds without a batch before the loader stops
+    multiprocessing_context: str | None = None
+    in_memory: bool = False  # the split decoded once into RAM (ssl_vit.data.memory)
+    resampled: bool = False  # shards drawn with replacement (ssl_vit.data.stream_plan)
+    retry: Retry = field(default_factory=Retry)  # how remote reads are retried
+    verify: Literal["read", "all"] = "read"  # which bytes read are checked (ssl_vit.data.blocks)
+    decode: Literal["cpu", "gpu"] = "cpu"  # gpu: JPEGs decoded on the loader's device
+
+
 @dataclass(eq=False)
 class TrainStream(IterableDataset):
     """One epoch of fixed-size batches for one rank; see the module docstring."""
 
     shards: list[ShardRef]
+    spec: LoaderSpec
     _: KW_ONLY
     channels: int
     labelled: bool
@@ -69,23 +106,15 @@ class TrainStream(IterableDataset):
     workers: int  # loader worker processes (at least 1)
     batch: int  # per-rank batch
     steps: int  # batches per epoch and rank
-    seed: int
     position: EpochPosition  # (epoch, skip_batches), shared with persistent workers
-    img_size: int
-    augment: bool
-    scale: tuple[float, float]
-    hflip: bool
-    translate: int  # random shift of up to this many pixels per axis (0: none)
-    shuffle_buffer: int
-    shuffle_initial: int
     counter: ReadCounter
     exclusions: Exclusions  # held-out manifest indices, never yielded
-    resampled: bool = False  # shards drawn with replacement (ssl_vit.data.stream_plan)
-    retry: Retry = field(default_factory=Retry)
-    missing: str = "error"
-    # JPEGs leave as bytes + crop box + flip for the main process to decode on the GPU
-    # (ssl_vit.data.device_decode); other images are decoded here as always.
-    device_decode: bool = False
+
+    @property
+    def device_decode(self) -> bool:
+        """JPEGs leave as bytes + crop box + flip for the main process to decode on the GPU
+        (ssl_vit.data.device_decode); other images are decoded in the workers as always."""
+        return self.spec.decode == "gpu"
 
     def quotas(self) -> list[int]:
         """Samples per stream this epoch, streams in order (rank-major)."""
@@ -96,15 +125,15 @@ class TrainStream(IterableDataset):
     def plan(self, epoch: int) -> list[list[Piece]]:
         """Every stream's pieces of an epoch (exact epochs; ssl_vit.data.stream_plan)."""
         quotas = self.quotas()
-        return exact_pieces(self.shards, quotas, self.exclusions, seed=self.seed, epoch=epoch)
+        return exact_pieces(self.shards, quotas, self.exclusions, seed=self.spec.seed, epoch=epoch)
 
     def _raw(self, stream: int, epoch: int) -> Iterator[dict]:
         """The stream's samples, buffer-shuffled. After data was lost (a broken shard), the
         stream's pieces are read again, reshuffled, so its quota still fills."""
         keep = (lambda i: i not in self.exclusions.set) if self.exclusions.sorted else None
-        if self.resampled:
+        if self.spec.resampled:
             pieces: Iterator[Piece] | list[Piece] = resampled_pieces(
-                self.shards, seed=self.seed, epoch=epoch, stream=stream
+                self.shards, seed=self.spec.seed, epoch=epoch, stream=stream
             )
         else:
             pieces = self.plan(epoch)[stream]
@@ -112,9 +141,9 @@ class TrainStream(IterableDataset):
             order = pieces
             if p > 0:
                 order = list(pieces)
-                random.Random(mix_seed(self.seed, epoch, stream, p)).shuffle(order)
-            rng = random.Random(mix_seed(self.seed, epoch, stream, -1 - p))
-            shuffle = wds.shuffle(self.shuffle_buffer, self.shuffle_initial, rng=rng)
+                random.Random(mix_seed(self.spec.seed, epoch, stream, p)).shuffle(order)
+            rng = random.Random(mix_seed(self.spec.seed, epoch, stream, -1 - p))
+            shuffle = wds.shuffle(self.spec.shuffle_buffer, self.spec.shuffle_initial, rng=rng)
             samples = (
                 s
                 for piece in order
@@ -124,8 +153,8 @@ class TrainStream(IterableDataset):
                     start=piece.start,
                     stop=piece.stop,
                     keep=keep,
-                    retry=self.retry,
-                    missing=self.missing,  # type: ignore[arg-type]
+                    retry=self.spec.retry,
+                    missing=self.spec.missing,  # type: ignore[arg-type]
                 )
             )
             n = 0
@@ -159,7 +188,7 @@ class TrainStream(IterableDataset):
             for _chunk in range(100):
                 # One generator per chunk, seeded by its first position: a resume that skips
                 # whole batches meets the same seeds; one per sample would cost more.
-                aug_rng = random.Random(mix_seed(self.seed, epoch, stream, pos))
+                aug_rng = random.Random(mix_seed(self.spec.seed, epoch, stream, pos))
                 for _ in range(self.batch):
                     sample = next(src)
                     pos += 1
@@ -198,7 +227,11 @@ class TrainStream(IterableDataset):
                     layout=self.layout,
                 )
                 box, flip = crop_box_for(
-                    *size, rng, augment=self.augment, scale=self.scale, hflip=self.hflip
+                    *size,
+                    rng,
+                    augment=self.spec.augment,
+                    scale=self.spec.scale,
+                    hflip=self.spec.hflip,
                 )
                 return (data, box, flip), label
         img, label = decode_sample(
@@ -218,7 +251,7 @@ class TrainStream(IterableDataset):
         process's limit of open files."""
         jpeg = [i for i, e in enumerate(entries) if isinstance(e, tuple)]
         pixels = [e for e in entries if not isinstance(e, tuple)]
-        S = self.img_size
+        S = self.spec.img_size
         blob = b"".join(entries[i][0] for i in jpeg)
         return (
             torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0),
@@ -233,10 +266,15 @@ class TrainStream(IterableDataset):
         )
 
     def _transform(self, img: np.ndarray, rng: random.Random) -> np.ndarray:
-        if not self.augment:
-            return eval_transform(img, self.img_size)
+        if not self.spec.augment:
+            return eval_transform(img, self.spec.img_size)
         return train_transform(
-            img, rng, self.img_size, scale=self.scale, hflip=self.hflip, translate=self.translate
+            img,
+            rng,
+            self.spec.img_size,
+            scale=self.spec.scale,
+            hflip=self.spec.hflip,
+            translate=self.spec.translate,
         )
 
 

@@ -22,24 +22,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .augment import crop_resize, decode_with_pil, to_batch
-from .datasets import EpochPosition, EvalStream, TrainStream
+from .datasets import STALL_TIMEOUT, EpochPosition, EvalStream, LoaderSpec, TrainStream
 from .device_decode import DeviceDecodeError, decode_crop_batch
 from .holdout import excluded_indices, held_out_indices
 from .manifest import Manifest, load_manifest
 from .memory import LoaderCounts, MemoryTrainLoader, load_training_samples
-from .shards import ReadCounter, ShardReadError, report_skip, select_shards
+from .shards import ReadCounter, ShardReadError, ShardRef, report_skip, select_shards
 from .stream_plan import Exclusions, read_factor
 from .urls import Retry
 from .workers import worker_context
-
-# Seconds a loader may go without a batch (its workers' start included) before it stops: far
-# above any honest batch time, short of a job that waits all night (data.stall_timeout).
-STALL_TIMEOUT = 600.0
 
 
 class ShardLoader(LoaderCounts):
@@ -123,7 +118,7 @@ class TrainLoader(ShardLoader):
     @property
     def read_factor(self) -> float:
         """How many times this epoch's plan reads the shard set (ssl_vit.data.stream_plan)."""
-        if self.dataset.resampled:
+        if self.dataset.spec.resampled:
             return 1.0
         return read_factor(self.dataset.shards, self.dataset.plan(self.epoch))
 
@@ -149,7 +144,9 @@ class TrainLoader(ShardLoader):
         encoded = list(torch.split(blob, lengths.tolist())) if len(lengths) else []
         device = self._dl["device"]
         images = torch.empty(
-            (len(labels), d.channels, d.img_size, d.img_size), dtype=torch.uint8, device=device
+            (len(labels), d.channels, d.spec.img_size, d.spec.img_size),
+            dtype=torch.uint8,
+            device=device,
         )
         other = torch.ones(len(labels), dtype=torch.bool)
         other[where] = False
@@ -161,7 +158,7 @@ class TrainLoader(ShardLoader):
                     [encoded[i] for i in todo],
                     boxes[todo],
                     flips[todo],
-                    d.img_size,
+                    d.spec.img_size,
                     d.channels,
                     device,
                 )
@@ -183,7 +180,7 @@ class TrainLoader(ShardLoader):
         d = self.dataset
         try:
             img = decode_with_pil(data.numpy().tobytes(), d.channels)
-            img = crop_resize(img, d.img_size, tuple(box.tolist()))
+            img = crop_resize(img, d.spec.img_size, tuple(box.tolist()))
             return to_batch([img[:, ::-1] if flip else img])[0]
         except Exception as e:  # undecodable here too: a corrupt sample, counted
             d.counter.add(samples=1)
@@ -223,12 +220,15 @@ def _common(
     ctx: str | None,
     missing: str,
     verify: str,
+    shards: list[ShardRef] | None = None,
 ):
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    # the trainer hands over the manifest its preflight loaded: one read, one version of it
+    # the trainer hands over the manifest and shards its preflight loaded and selected: one
+    # read, one version of them
     manifest = root if isinstance(root, Manifest) else load_manifest(root)
-    shards = select_shards(manifest, split, missing, verify)  # type: ignore[arg-type]
+    if shards is None:
+        shards = select_shards(manifest, split, missing, verify)  # type: ignore[arg-type]
     mp_ctx = worker_context(ctx, num_workers)
     return manifest, shards, mp_ctx, ReadCounter(mp_ctx)
 
@@ -249,129 +249,88 @@ def make_train_loader(
     root: str | Path | Manifest,
     split: str,
     *,
-    global_batch: int,
     rank: int = 0,
     world_size: int = 1,
-    num_workers: int = 4,
-    img_size: int = 224,
-    seed: int = 0,
+    device: torch.device | str | None = None,
     epoch: int = 0,
     skip_batches: int = 0,
-    augment: bool = True,
-    scale: tuple[float, float] = (0.08, 1.0),
-    hflip: bool = True,
-    translate: int = 0,
-    missing: Literal["error", "skip"] = "error",
-    holdout_fraction: float = 0.0,
-    train_fraction: float = 1.0,
-    subset: np.ndarray | None = None,
-    shuffle_buffer: int = 2000,
-    shuffle_initial: int = 500,
-    pin_memory: bool | None = None,
-    prefetch_factor: int = 2,
-    timeout: float = STALL_TIMEOUT,
-    multiprocessing_context: str | None = None,
-    in_memory: bool = False,
-    device: torch.device | str | None = None,
-    resampled: bool = False,
-    retry: Retry | None = None,
-    verify: Literal["read", "all"] = "read",
-    decode: Literal["cpu", "gpu"] = "cpu",
+    shards: list[ShardRef] | None = None,
+    spec: LoaderSpec | None = None,
+    **options: Any,
 ) -> TrainLoader | MemoryTrainLoader:
-    """Training batches for `rank` of `world_size`: uint8 (B, C, img_size, img_size) images and
-    int64 labels (-1 when unlabelled), B = global_batch // world_size. `augment` applies the
-    paper's random resized crop (`scale`) and flip (`hflip`), and a random shift of up to
-    `translate` pixels per axis (zero-filled; 0: none); without it, a centre resize.
-    `holdout_fraction` keeps that hashed share of the split out of training (module doc);
-    `train_fraction` < 1 trains on that hashed share of the rest, `subset` (sorted manifest
-    indices, from ssl_vit.data.holdout.read_subset_file) on those only (ssl_vit.data.holdout).
-    Resume with the same seed, world_size and num_workers for an exact continuation.
-    `in_memory`: the split decoded once by `num_workers` workers and batched from RAM
-    (ssl_vit.data.memory, same contract), held and augmented on `device` when given (a GPU).
-    `decode="gpu"`: JPEGs decoded, cropped and flipped on `device` in the main process
-    (ssl_vit.data.device_decode), other images in the workers as always.
-    `resampled`: shards drawn with replacement (ssl_vit.data.stream_plan); `retry`: how remote
-    reads are retried (ssl_vit.data.urls.Retry); `missing`: a shard that cannot be read stops
-    training ("error") or is counted and passed over ("skip"); `verify`: which bytes read are
-    checked against the manifest's block checksums (ssl_vit.data.blocks); `timeout`: seconds
-    without a batch before the loader stops, naming what its workers were reading."""
+    """Training batches of `split` for `rank` of `world_size`: uint8 (B, C, H, W) images and
+    int64 labels (-1 when unlabelled), B = global_batch // world_size, read as `spec` says (or
+    a LoaderSpec made of `options`: its fields document them). `root`: a shard set, or the
+    Manifest a caller already loaded, with the `shards` it already selected. Resume with the
+    same seed, world_size and num_workers for an exact continuation. In memory, batches are
+    held and augmented on `device` when given (a GPU); decode="gpu" decodes JPEGs there."""
+    if spec is None:
+        spec = LoaderSpec(**options)
+    elif options:
+        raise TypeError(f"make_train_loader: pass a LoaderSpec or its fields, not both ({options})")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-    if global_batch < world_size or global_batch % world_size:
-        raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
-    manifest, shards, ctx, counter = _common(
-        root, split, num_workers, multiprocessing_context, missing, verify
-    )
-    if in_memory:
-        images, labels = load_training_samples(
-            manifest,
-            split,
-            shards,
-            num_workers,
-            holdout_fraction,
-            counter,
-            ctx,
-            train_fraction,
-            missing,
-            subset,
+    if spec.global_batch < world_size or spec.global_batch % world_size:
+        raise ValueError(
+            f"global_batch {spec.global_batch} is not divisible by world_size {world_size}"
         )
+    manifest, shards, ctx, counter = _common(
+        root, split, spec.num_workers, spec.multiprocessing_context, spec.missing, spec.verify,
+        shards,
+    )  # fmt: skip
+    if spec.in_memory:
+        images, labels = load_training_samples(
+            manifest, split, shards, spec.num_workers, spec.holdout_fraction, counter, ctx,
+            spec.train_fraction, spec.missing, spec.subset,
+        )  # fmt: skip
         num_samples = len(images)
     else:
         total = sum(r.num_samples for r in shards)
-        unused = excluded_indices(total, holdout_fraction, train_fraction, subset)
+        unused = excluded_indices(total, spec.holdout_fraction, spec.train_fraction, spec.subset)
         exclusions = Exclusions(unused.tolist())
         num_samples = total - len(exclusions.sorted)
-    steps = num_samples // global_batch
+    steps = num_samples // spec.global_batch
     if steps == 0:
+        fewer = f" or raise data.train_fraction={spec.train_fraction}"
         raise ValueError(
             f"{manifest.root}: split {split!r} has {num_samples} samples to train on, fewer than "
-            f"one global batch of {global_batch}; lower the batch size"
-            + (f" or raise data.train_fraction={train_fraction}" if train_fraction < 1 else "")
-            + (" or list more samples in the subset" if subset is not None else "")
+            f"one global batch of {spec.global_batch}; lower the batch size"
+            + (fewer if spec.train_fraction < 1 else "")
+            + (" or list more samples in the subset" if spec.subset is not None else "")
         )
-    aug = dict(
-        img_size=img_size, augment=augment, scale=tuple(scale), hflip=hflip, translate=translate
-    )
-    part = dict(rank=rank, world_size=world_size, seed=seed, counter=counter)
-    if in_memory:
+    if spec.in_memory:
         loader: TrainLoader | MemoryTrainLoader = MemoryTrainLoader(
-            images,
-            labels,
-            manifest=manifest,
-            split=split,
-            global_batch=global_batch,
-            **part,
-            **aug,
-            device=device,
-        )
+            images, labels, manifest=manifest, split=split, global_batch=spec.global_batch,
+            rank=rank, world_size=world_size, seed=spec.seed, counter=counter,
+            img_size=spec.img_size, augment=spec.augment, scale=tuple(spec.scale),
+            hflip=spec.hflip, translate=spec.translate, device=device,
+        )  # fmt: skip
         loader.set_epoch(epoch, skip_batches)
         return loader
+    if spec.decode == "gpu" and (device is None or spec.translate):
+        raise ValueError("decode='gpu' needs a device, and translate=0 (a CPU-path shift)")
     dataset = TrainStream(
         shards,
+        spec,
         channels=manifest.channels,
         labelled=manifest.class_names is not None,
         num_classes=manifest.num_classes,
         layout=manifest.layout,
-        workers=max(1, num_workers),
-        batch=global_batch // world_size,
+        rank=rank,
+        world_size=world_size,
+        workers=max(1, spec.num_workers),
+        batch=spec.global_batch // world_size,
         steps=steps,
         position=EpochPosition(ctx, epoch, 0),
-        **part,
-        **aug,
-        shuffle_buffer=shuffle_buffer,
-        shuffle_initial=shuffle_initial,
+        counter=counter,
         exclusions=exclusions,
-        resampled=resampled,
-        retry=retry or Retry(),
-        missing=missing,
-        device_decode=decode == "gpu",
     )
-    if decode == "gpu" and (device is None or translate):
-        raise ValueError("decode='gpu' needs a device, and translate=0 (a CPU-path shift)")
     check_shared_memory(
-        dataset.batch * manifest.channels * img_size**2, num_workers, prefetch_factor
+        dataset.batch * manifest.channels * spec.img_size**2,
+        spec.num_workers,
+        spec.prefetch_factor,
     )
-    dl = _dl_options(num_workers, pin_memory, prefetch_factor, timeout, ctx)
+    dl = _dl_options(spec.num_workers, spec.pin_memory, spec.prefetch_factor, spec.timeout, ctx)
     loader = TrainLoader(
         dataset, manifest=manifest, split=split, **dl, persistent=True, device=device
     )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ssl_vit.config import KWARGS_SET_ELSEWHERE, Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
+from ssl_vit.data.shards import ShardRef, select_shards
 from ssl_vit.data.urls import join, probe_range
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class DataPlan:
     read_factor: float  # times an epoch reads the shard set (1.0: in RAM or resampled)
     ranged: bool | None = None  # the web server answers Range requests (None: not one)
     subset: np.ndarray | None = None  # the indices data.subset_file lists, checked
+    shards: list[ShardRef] | None = None  # the split's shards, selected once for the loader
 
     @property
     def epochs(self) -> float:
@@ -85,10 +87,14 @@ def check_data(cfg: Config, world: int, probe_remote: bool = True) -> DataPlan:
             + (f" or list more in data.subset_file={subset_file}" if subset_file else "")
         )
     ranged = probe_range(join(str(manifest.root), split.shards[0].name)) if split.shards else None
-    factor = check_read_plan(cfg, manifest, world)  # after the probe: its reads depend on it
+    d = cfg.data
+    shards = select_shards(manifest, d.split, d.missing_shards, d.verify)  # type: ignore[arg-type]
+    factor = check_read_plan(cfg, manifest, world, shards)  # after the probe: reads depend on it
     check_model(cfg, in_chans)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * steps_per_epoch)
-    return DataPlan(manifest, num_train, steps_per_epoch, total_steps, factor, ranged, subset)
+    return DataPlan(
+        manifest, num_train, steps_per_epoch, total_steps, factor, ranged, subset, shards
+    )
 
 
 def read_subset(cfg: Config, num_samples: int) -> np.ndarray | None:
@@ -141,14 +147,15 @@ def check_remote_shards(manifest: Manifest, split: str, missing: str) -> None:
     )
 
 
-def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> float:
+def check_read_plan(
+    cfg: Config, manifest: Manifest, world: int, shards: list[ShardRef] | None = None
+) -> float:
     """Refuse a streamed epoch that would read the shard set more than MAX_READ_FACTOR times:
     streams that must read shard heads to drop them (a pipe, or remote shards without the
     offset index) when there are not many more shards than streams (ssl_vit.data.stream_plan).
     Returns the factor (1.0 for a split held in RAM or resampled epochs)."""
     from ssl_vit.data.holdout import excluded_indices  # imported late: numpy, torch
     from ssl_vit.data.memory import resolve_in_memory
-    from ssl_vit.data.shards import select_shards
     from ssl_vit.data.stream_plan import (
         MAX_READ_FACTOR,
         Exclusions,
@@ -160,7 +167,8 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int) -> float:
     d = cfg.data
     if d.resampled or resolve_in_memory(d.in_memory, manifest, d.split)[0]:
         return 1.0
-    shards = select_shards(manifest, d.split, d.missing_shards)  # type: ignore[arg-type]
+    if shards is None:
+        shards = select_shards(manifest, d.split, d.missing_shards, d.verify)  # type: ignore[arg-type]
     total = sum(r.num_samples for r in shards)
     subset = read_subset(cfg, total)
     exclusions = Exclusions(excluded_indices(total, cfg.holdout_share, d.train_fraction, subset))

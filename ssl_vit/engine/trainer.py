@@ -35,7 +35,7 @@ from ssl_vit import startup
 from ssl_vit.config import Config, ConfigError, local_batch
 from ssl_vit.data.manifest import Manifest, ManifestError
 from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
-from ssl_vit.data.stream import TrainLoader, make_train_loader
+from ssl_vit.data.stream import LoaderSpec, TrainLoader, make_train_loader
 from ssl_vit.data.urls import Retry
 from ssl_vit.data.workers import IN_TRAINING_START
 from ssl_vit.engine import checkpoint, launches, zero
@@ -57,7 +57,7 @@ from ssl_vit.engine.optim import (
     model_size,
 )
 from ssl_vit.engine.precision import run_precision, step_timer
-from ssl_vit.engine.preflight import check_data
+from ssl_vit.engine.preflight import DataPlan, check_data
 from ssl_vit.engine.run_tracker import open_run_tracker, register_run, save_run_id
 from ssl_vit.engine.stop import Stopped, StopSignals
 from ssl_vit.figures import optional_figure
@@ -141,86 +141,15 @@ def setup(cfg: Config, header: str = "") -> Run:
     rank, local_rank, world = init_distributed()
     _, micro, accum = local_batch(cfg, world)
     device = device_for(local_rank)
-    # A remote set's shards are asked for once, by rank 0; a rank that finds a problem stops
-    # every rank with its line.
-    try:
-        plan, problem = check_data(cfg, world, probe_remote=rank == 0), None
-    except (ConfigError, ManifestError) as e:
-        plan, problem = None, str(e)
-    problems = [p for p in all_gather_object(problem) if p]
-    if problems:
-        raise ConfigError(problems[0])
-    assert plan is not None  # every rank checked, or all stopped above
-    manifest = plan.manifest
-
+    plan = _check_data_on_every_rank(cfg, rank, world)
     run_dir = Path(cfg.run.dir)
-    saved = run_dir / "config.yaml"
-    if rank == 0 and saved.is_file():  # a run directory belongs to one model and objective
-        old = yaml.safe_load(saved.read_text())
-        for section in ("model", "objective"):
-            if old.get(section) != cfg.to_dict()[section]:
-                raise ConfigError(
-                    f"{saved}: this run directory holds a run with a different {section} "
-                    "config; use another run.dir (or delete this one) to start a new run"
-                )
-    this_launch = None  # on record in RUN/launches/, with what it changed (rank 0)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        this_launch = launches.begin(run_dir, cfg, header)  # writes config.yaml too
-    barrier()
-    checkpoint.check_shared(run_dir, rank)
-    checkpoint.latest_tag(run_dir / "checkpoints")  # a broken pointer fails now, before setup
+    this_launch = _claim_run_dir(cfg, run_dir, rank, header)
 
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    objective, options, spec = build_from_config(cfg, manifest)
+    objective, options, spec = build_from_config(cfg, plan.manifest)
     timer = step_timer(objective, spec.in_chans, cfg.model.img_size, micro)
     precision = run_precision(cfg, run_dir, rank, timer)
-
-    in_ram, why_ram = resolve_in_memory(cfg.data.in_memory, manifest, cfg.data.split)
-    decode = cfg.data.decode
-    if decode == "auto":
-        decode = "gpu" if device.type == "cuda" and not cfg.data.translate else "cpu"
-    if rank == 0:
-        log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
-        subset_file = cfg.data.subset_file
-        if subset_file:  # the path alone would not say which samples a rerun trained on
-            digest = hashlib.sha256(Path(subset_file).read_bytes()).hexdigest()
-            log.info(
-                "training on the %d samples of %s (sha256 %s)",
-                len(plan.subset),
-                subset_file,
-                digest,
-            )
-        if not in_ram:
-            log.info("training images decoded on the %s (data.decode=%s)", decode, cfg.data.decode)
-    d = cfg.data
-    loader = make_train_loader(
-        manifest,
-        d.split,
-        global_batch=cfg.train.global_batch,
-        rank=rank,
-        world_size=world,
-        num_workers=d.num_workers,
-        img_size=cfg.model.img_size,
-        seed=cfg.run.seed,
-        augment=d.augment,
-        scale=d.crop_scale,
-        hflip=d.hflip,
-        translate=d.translate,
-        missing=d.missing_shards,
-        resampled=d.resampled,
-        decode=decode,
-        retry=Retry(d.read_retries, timeout=d.read_timeout, min_rate=d.min_read_rate),
-        verify=d.verify,  # type: ignore[arg-type]
-        timeout=d.stall_timeout,
-        holdout_fraction=cfg.holdout_share,  # chosen on, never trained on
-        train_fraction=d.train_fraction,
-        subset=plan.subset,
-        in_memory=in_ram,
-        multiprocessing_context=IN_TRAINING_START,
-        # batches made on the GPU; decode=gpu on a CPU runs the same code there (tests)
-        device=device if device.type == "cuda" or decode == "gpu" else None,
-    )
+    loader = _train_loader(cfg, plan, rank, world, device)
     total_steps = cfg.train.steps or math.ceil(cfg.train.epochs * loader.steps_per_epoch)
 
     flops = 0.0
@@ -232,19 +161,8 @@ def setup(cfg: Config, header: str = "") -> Run:
 
     optimizer, schedule = make_optimizer(objective, cfg, total_steps)
     ds_precision = precision if device.type == "cuda" else "fp32"  # CPU bf16: autocast
-    size = model_size(objective)  # ZeRO's bucket sizes scale with it
-    on_gpu = device.type == "cuda"
-    ds_config = deepspeed_config(cfg, world, micro, accum, ds_precision, on_gpu=on_gpu, **size)
-    if rank == 0:
-        atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
-    if ds_config["zero_optimization"]["stage"] == 3:
-        zero.register_loose_parameters(objective)
-    engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
-    if world == 1 and ds_config["zero_optimization"]["stage"] == 0:
-        # One rank has no peers: skip the engine's gradient flatten + all-reduce (~1.5 ms of a
-        # 220 ms step on 2 CPU cores). ZeRO stages reduce inside their own optimizer.
-        engine.enable_backward_allreduce = False
-
+    engine = _deepspeed_engine(cfg, objective, optimizer, run_dir, rank, world, micro, accum,
+                               ds_precision, on_gpu=device.type == "cuda")  # fmt: skip
     images = total_steps * cfg.train.global_batch
     mode, why = resolve_compile(cfg.train.compile, images, cfg.train.zero_stage, device)
     compiler = BlockCompile(mode, engine.module)
@@ -259,7 +177,7 @@ def setup(cfg: Config, header: str = "") -> Run:
         "micro": micro,
         "precision": precision,
         "compile": compiler.param,
-        "in_memory": in_ram,
+        "in_memory": isinstance(loader, MemoryTrainLoader),
     }
 
     # Resume (a fresh run finds no checkpoint), then the MLflow run and in-training evaluations
@@ -268,60 +186,127 @@ def setup(cfg: Config, header: str = "") -> Run:
     loader.set_epoch(*divmod(count.step - count.replayed_steps, loader.steps_per_epoch))
     schedule.set(count.step)
     compiler.start_trial(count.step, total_steps, rank)
-    tracker = open_run_tracker(
-        cfg,
-        run_dir,
-        rank,
-        fresh=count.step == 0,
-        derived=launch,
-        source_run_id=spec.source_run_id,
-        this_launch=this_launch,
-        step=count.step,
-    )
-    evals = InTrainingEvals(
-        cfg,
-        manifest,
-        spec,
-        rank,
-        world,
-        steps_per_epoch=loader.steps_per_epoch,
-        total_steps=total_steps,
-        autocast=cpu_autocast,
-        state=state,
-    )
+    tracker = open_run_tracker(cfg, run_dir, rank, fresh=count.step == 0, derived=launch,
+                               source_run_id=spec.source_run_id, this_launch=this_launch,
+                               step=count.step)  # fmt: skip
+    evals = InTrainingEvals(cfg, plan.manifest, spec, rank, world,
+                            steps_per_epoch=loader.steps_per_epoch, total_steps=total_steps,
+                            autocast=cpu_autocast, state=state)  # fmt: skip
     peak = peak_measured = 0.0
     if rank == 0:
         truncate_metrics(run_dir / "metrics.jsonl", count.step)  # what followed the checkpoint
         peak, peak_measured, why = mfu_peaks(precision, engine.device)
         log.info("train/mfu against %s", why)
     run = Run(
-        cfg=cfg,
-        rank=rank,
-        world=world,
-        micro=micro,
-        run_dir=run_dir,
-        manifest=manifest,
-        spec=spec,
-        options=options,
-        precision=precision,
-        cpu_autocast=cpu_autocast,
-        clip=cfg.optim.grad_clip if clips_in_step(cfg, ds_precision) else 0.0,
-        loader=loader,
-        total_steps=total_steps,
-        flops_per_step=flops,
-        peak=peak,
-        peak_measured=peak_measured,
-        engine=engine,
-        optimizer=optimizer,
-        schedule=schedule,
-        compiler=compiler,
-        launch=launch,
-        count=count,
-        tracker=tracker,
-        evals=evals,
-    )
+        cfg=cfg, rank=rank, world=world, micro=micro, run_dir=run_dir, manifest=plan.manifest,
+        spec=spec, options=options, precision=precision, cpu_autocast=cpu_autocast,
+        clip=cfg.optim.grad_clip if clips_in_step(cfg, ds_precision) else 0.0, loader=loader,
+        total_steps=total_steps, flops_per_step=flops, peak=peak, peak_measured=peak_measured,
+        engine=engine, optimizer=optimizer, schedule=schedule, compiler=compiler,
+        launch=launch, count=count, tracker=tracker, evals=evals,
+    )  # fmt: skip
     evals.export = run.export  # export_best/ is written through the run's export
     return run
+
+
+def _check_data_on_every_rank(cfg: Config, rank: int, world: int) -> DataPlan:
+    """The preflight (engine/preflight.py) on every rank: the manifest is read and the shards
+    selected here, once. A remote set's shards are asked for by rank 0 only; a rank that finds
+    a problem stops every rank with its line."""
+    try:
+        plan, problem = check_data(cfg, world, probe_remote=rank == 0), None
+    except (ConfigError, ManifestError) as e:
+        plan, problem = None, str(e)
+    problems = [p for p in all_gather_object(problem) if p]
+    if problems:
+        raise ConfigError(problems[0])
+    assert plan is not None  # every rank checked, or all stopped above
+    return plan
+
+
+def _claim_run_dir(cfg: Config, run_dir: Path, rank: int, header: str) -> dict | None:
+    """The run directory, made or resumed: it belongs to one model and objective. Returns this
+    launch's record (RUN/launches/, rank 0; None elsewhere)."""
+    saved = run_dir / "config.yaml"
+    if rank == 0 and saved.is_file():
+        old = yaml.safe_load(saved.read_text())
+        for section in ("model", "objective"):
+            if old.get(section) != cfg.to_dict()[section]:
+                raise ConfigError(
+                    f"{saved}: this run directory holds a run with a different {section} "
+                    "config; use another run.dir (or delete this one) to start a new run"
+                )
+    this_launch = None
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        this_launch = launches.begin(run_dir, cfg, header)  # writes config.yaml too
+    barrier()
+    checkpoint.check_shared(run_dir, rank)
+    checkpoint.latest_tag(run_dir / "checkpoints")  # a broken pointer fails now, before setup
+    return this_launch
+
+
+def _train_loader(
+    cfg: Config, plan: DataPlan, rank: int, world: int, device: torch.device
+) -> TrainLoader | MemoryTrainLoader:
+    """The data config as one LoaderSpec, over the manifest and shards the preflight read."""
+    d = cfg.data
+    in_ram, why_ram = resolve_in_memory(d.in_memory, plan.manifest, d.split)
+    decode = d.decode
+    if decode == "auto":
+        decode = "gpu" if device.type == "cuda" and not d.translate else "cpu"
+    if rank == 0:
+        log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
+        if d.subset_file:  # the path alone would not say which samples a rerun trained on
+            digest = hashlib.sha256(Path(d.subset_file).read_bytes()).hexdigest()
+            log.info("training on the %d samples of %s (sha256 %s)", len(plan.subset),
+                     d.subset_file, digest)  # fmt: skip
+        if not in_ram:
+            log.info("training images decoded on the %s (data.decode=%s)", decode, d.decode)
+    spec = LoaderSpec(
+        global_batch=cfg.train.global_batch,
+        num_workers=d.num_workers,
+        img_size=cfg.model.img_size,
+        seed=cfg.run.seed,
+        augment=d.augment,
+        scale=d.crop_scale,
+        hflip=d.hflip,
+        translate=d.translate,
+        missing=d.missing_shards,  # type: ignore[arg-type]
+        holdout_fraction=cfg.holdout_share,  # chosen on, never trained on
+        train_fraction=d.train_fraction,
+        subset=plan.subset,
+        timeout=d.stall_timeout,
+        multiprocessing_context=IN_TRAINING_START,
+        in_memory=in_ram,
+        resampled=d.resampled,
+        retry=Retry(d.read_retries, timeout=d.read_timeout, min_rate=d.min_read_rate),
+        verify=d.verify,  # type: ignore[arg-type]
+        decode=decode,  # type: ignore[arg-type]
+    )
+    # batches made on the GPU; decode=gpu on a CPU runs the same code there (tests)
+    on = device if device.type == "cuda" or decode == "gpu" else None
+    return make_train_loader(plan.manifest, d.split, rank=rank, world_size=world, device=on,
+                             shards=plan.shards, spec=spec)  # fmt: skip
+
+
+def _deepspeed_engine(
+    cfg: Config, objective: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: Path,
+    rank: int, world: int, micro: int, accum: int, precision: str, *, on_gpu: bool,
+) -> deepspeed.DeepSpeedEngine:  # fmt: skip
+    """The DeepSpeed engine over the objective (its config written to RUN/ds_config.json)."""
+    size = model_size(objective)  # ZeRO's bucket sizes scale with it
+    ds_config = deepspeed_config(cfg, world, micro, accum, precision, on_gpu=on_gpu, **size)
+    if rank == 0:
+        atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
+    if ds_config["zero_optimization"]["stage"] == 3:
+        zero.register_loose_parameters(objective)
+    engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, config=ds_config)
+    if world == 1 and ds_config["zero_optimization"]["stage"] == 0:
+        # One rank has no peers: skip the engine's gradient flatten + all-reduce. ZeRO stages
+        # reduce inside their own optimizer.
+        engine.enable_backward_allreduce = False
+    return engine
 
 
 def train(cfg: Config, header: str = "") -> Path:
