@@ -4,8 +4,10 @@ Python's tarfile (webdataset's reader) parses every header field of every member
 more per tiny sample than decoding it; this reader parses only what a shard needs (name, size,
 type, checksum) and groups members as webdataset does: the key is the path up to the first dot
 of the file name, the rest (lower-cased) names the field (`benchmarks/loader.py` compares them).
-The writer is ssl_vit/data/shard_writer.py (USTAR); GNU long names and pax `path` records are
-read too, other member types are skipped.
+It is also what lets a stream start at an indexed sample offset and check each block read
+against the manifest, which webdataset's reader cannot (benchmarks/tar_io.py measures both on
+224-px JPEGs). The writer is ssl_vit/data/shard_writer.py (USTAR); GNU long names and pax `path`
+records are read too, other member types are skipped.
 """
 
 from __future__ import annotations

@@ -350,30 +350,7 @@ def train(cfg: Config, header: str = "") -> Path:
                 )
             window.end_step(waited)
 
-            row = None
-            if log_now:  # averaged over ranks (every rank), written by rank 0
-                reads = loader.counter  # this rank's shard reads (ssl_vit.data.shards)
-                extra = {
-                    "lr": max(run.schedule.get_last_lr()),  # the head's under layer decay
-                    "grad_norm": step.grad_norm,
-                    "epoch": count.step / per_epoch,
-                    "samples_seen": count.step * cfg.train.global_batch,
-                    "nonfinite_steps": count.nonfinite_total,
-                    "skipped_steps": count.skipped_total,
-                    "skipped_samples": loader.num_skipped,
-                    "data/shard_errors": reads.shard_errors,
-                    "data/read_retries": reads.retries,
-                    "data/gbytes_read": reads.bytes_read / 1e9,
-                    "data/unverified_samples": reads.unverified,  # ssl_vit.data.blocks
-                }
-                row = window.flush(
-                    extra, run.flops_per_step, run.peak, run.world, run.peak_measured
-                )
-                if rank == 0:
-                    save_run_id(tracker, run.run_dir / "mlflow_run_id")
-                    tracker.log_metrics(row, step=count.step, in_file=True)
-                    with open(run.metrics_file, "a") as f:
-                        f.write(json.dumps({"step": count.step, **row}) + "\n")
+            row = _log_metrics(run, step, window) if log_now else None
             progress.update(count.step, row)
 
             with run.compiler.eager():  # evaluations are not worth a compile of their own
@@ -398,17 +375,7 @@ def train(cfg: Config, header: str = "") -> Path:
                 break
         progress.close()
         if stop.stopped_by:  # checkpointed above; the same command goes on from there
-            save_run_id(tracker, run.run_dir / "mlflow_run_id")
-            tracker.set_tags(
-                {"ssl_vit.stopped_by": stop.stopped_by, "ssl_vit.stopped_at_step": count.step}
-            )
-            tracker.close("KILLED")
-            run.compiler.close()
-            barrier("the stop")  # the ranks leave together: the launcher sees their exit code
-            raise Stopped(
-                stop.stopped_by, count.step, str(run.ckpt_dir / checkpoint.tag_for(count.step))
-            )
-
+            _stop(run, stop.stopped_by)
         export_dir = run.run_dir / "export"
         with run.compiler.eager():
             run.export(export_dir, {**meta, "step": count.step})  # every rank: ZeRO gathers
@@ -429,6 +396,45 @@ def train(cfg: Config, header: str = "") -> Path:
     barrier()
     sys.stdout.flush()
     return export_dir
+
+
+def _log_metrics(run: Run, step: StepResult, window: MetricWindow) -> dict:
+    """The step's metrics averaged over ranks (every rank calls this); rank 0 writes them to
+    MLflow and RUN/metrics.jsonl."""
+    cfg, count, loader = run.cfg, run.count, run.loader
+    reads = loader.counter  # this rank's shard reads (ssl_vit.data.shards)
+    extra = {
+        "lr": max(run.schedule.get_last_lr()),  # the head's under layer decay
+        "grad_norm": step.grad_norm,
+        "epoch": count.step / loader.steps_per_epoch,
+        "samples_seen": count.step * cfg.train.global_batch,
+        "nonfinite_steps": count.nonfinite_total,
+        "skipped_steps": count.skipped_total,
+        "skipped_samples": loader.num_skipped,
+        "data/shard_errors": reads.shard_errors,
+        "data/read_retries": reads.retries,
+        "data/gbytes_read": reads.bytes_read / 1e9,
+        "data/unverified_samples": reads.unverified,  # ssl_vit.data.blocks
+    }
+    row = window.flush(extra, run.flops_per_step, run.peak, run.world, run.peak_measured)
+    if run.rank == 0:
+        save_run_id(run.tracker, run.run_dir / "mlflow_run_id")
+        run.tracker.log_metrics(row, step=count.step, in_file=True)
+        with open(run.metrics_file, "a") as f:
+            f.write(json.dumps({"step": count.step, **row}) + "\n")
+    return row
+
+
+def _stop(run: Run, stopped_by: str) -> None:
+    """End a run a stop signal reached, after its checkpoint: the MLflow run KILLED, the ranks
+    out together; the same command resumes it."""
+    save_run_id(run.tracker, run.run_dir / "mlflow_run_id")
+    step = run.count.step
+    run.tracker.set_tags({"ssl_vit.stopped_by": stopped_by, "ssl_vit.stopped_at_step": step})
+    run.tracker.close("KILLED")
+    run.compiler.close()
+    barrier("the stop")  # the ranks leave together: the launcher sees their exit code
+    raise Stopped(stopped_by, step, str(run.ckpt_dir / checkpoint.tag_for(step)))
 
 
 def _batches(

@@ -44,6 +44,8 @@ REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE"
 
 def resolve_uri(uri: str | None) -> str:
     """The tracking store: `uri`, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db."""
+    # Not mlflow.get_tracking_uri(): its default depends on the MLflow version (./mlruns in
+    # older ones), and a run must land in the store the docs name whatever MLflow is installed.
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
