@@ -47,8 +47,8 @@ def init_distributed() -> tuple[int, int, int]:
         # ranks on this machine: torchrun sets LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
         share = max(1, (os.cpu_count() or 1) // max(1, local_world))
-        # Only when it changes: setting even the same count again made every step about 10%
-        # slower here (torch 2.14 CPU, 2 cores; benchmarks/train_throughput.py).
+        # Only when it changes: setting even the same count again slowed every CPU step down
+        # (measured with benchmarks/train_throughput.py; docs/training.md).
         if share != torch.get_num_threads():
             torch.set_num_threads(share)
     return dist.get_rank(), local_rank, dist.get_world_size()

@@ -124,8 +124,8 @@ def clips_in_step(cfg: Config, engine_precision: str) -> bool:
     """Whether the training step clips the gradients (torch's clip_grad_norm_, on the device,
     no host sync) in place of DeepSpeed: fp32 weights at ZeRO-0, where every rank holds whole
     gradients, already averaged over ranks when the step begins. There DeepSpeed's clip walks
-    the parameters in Python, builds tensors and all-reduces a norm every rank already has:
-    8% of the step of a small model measured with py-spy (2 cores). ZeRO stages and half
+    the parameters in Python, builds tensors and all-reduces a norm every rank already has, a
+    cost that matters for small models (docs/training.md). ZeRO stages and half
     precision keep DeepSpeed's: their gradients are partitioned or kept in fp32 copies."""
     return engine_precision == "fp32" and cfg.train.zero_stage == 0 and cfg.optim.grad_clip > 0
 
