@@ -246,7 +246,7 @@ def section_loader(p: dict, device: torch.device, shards: Path) -> list[dict]:
 
 def section_knn(p: dict, device: torch.device) -> list[dict]:
     """Exact top-20 inner-product search of `queries` against `gallery` normalised rows."""
-    from ssl_vit.evaluation.knn import build_index, l2_normalize, search, use_faiss_gpu
+    from ssl_vit.knn import build_index, l2_normalize, search, use_faiss_gpu
 
     rng = np.random.default_rng(0)
     gallery = l2_normalize(rng.standard_normal((p["gallery"], p["dim"]), dtype=np.float32))

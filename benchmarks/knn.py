@@ -26,7 +26,7 @@ import torch
 from safetensors.numpy import load_file
 from sklearn.neighbors import KNeighborsClassifier
 
-from ssl_vit.evaluation.knn import build_index, knn_vote, l2_normalize, search
+from ssl_vit.knn import build_index, knn_vote, l2_normalize, search
 
 
 def synthetic(n: int, d: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

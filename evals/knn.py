@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.k) < 1 or args.temperature <= 0:
         p.error("--k values must be >= 1 and --temperature > 0")
-    from ssl_vit.evaluation.knn import knn_eval  # torch and FAISS load only now
+    from ssl_vit.knn import knn_eval  # torch and FAISS load only now
 
     t0 = time.perf_counter()
     bb, train, test = features_from_args(args)

@@ -1,6 +1,6 @@
-"""The read-outs a frozen backbone's features can take and where extracted features are cached:
-the choices of ssl_vit.readout and ssl_vit.features, importable without torch (the evaluators'
-argument parsers offer them, ssl_vit.evaluation.options)."""
+"""The choices of the tools on frozen features below the evaluators, importable without torch:
+the read-outs (ssl_vit.readout), the feature cache (ssl_vit.features) and kNN's protocol
+(ssl_vit.knn). The evaluators' argument parsers offer them (ssl_vit.evaluation.options)."""
 
 from __future__ import annotations
 
@@ -9,3 +9,8 @@ from __future__ import annotations
 # (B, N*D): the spatial layout kept.
 POOLS = ("auto", "cls", "mean", "lastn", "tokens")
 DEFAULT_CACHE_DIR = ".cache/features"  # ssl_vit.features: extracted features, by identity
+
+# kNN (DINO's protocol, ssl_vit.knn): neighbour counts, vote temperature, FAISS index kinds
+DEFAULT_KS = (10, 20, 100, 200)
+DEFAULT_T = 0.07
+INDEX_KINDS = ("flat", "ivf", "hnsw")

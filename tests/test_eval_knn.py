@@ -5,7 +5,7 @@ import math
 import numpy as np
 import torch
 
-from ssl_vit.evaluation.knn import (
+from ssl_vit.knn import (
     build_index,
     knn_eval,
     knn_vote,

@@ -12,7 +12,7 @@ import torch
 from test_stream import make_set
 
 from ssl_vit.data import memory
-from ssl_vit.data.augment import shift_image
+from ssl_vit.data.augment import crop_resize_batch, shift_image
 from ssl_vit.data.holdout import held_out_indices
 from ssl_vit.data.manifest import load_manifest
 from ssl_vit.data.memory import resolve_in_memory
@@ -77,10 +77,10 @@ def test_batched_crop_lands_on_the_box_and_flips_are_exact():
     a whole-image box at its own size is the image."""
     images = torch.randint(0, 256, (3, 1, 12, 12), dtype=torch.uint8)
     boxes = [(0, 0, 6, 6), (3, 5, 6, 6), (6, 6, 6, 6)]
-    out = memory._crop_resize(images, boxes, 6)
+    out = crop_resize_batch(images, boxes, 6)
     for img, (t, left, h, w), o in zip(images, boxes, out, strict=True):
         assert torch.equal(o, img[:, t : t + h, left : left + w])
-    assert torch.equal(memory._crop_resize(images, [(0, 0, 12, 12)] * 3, 12), images)
+    assert torch.equal(crop_resize_batch(images, [(0, 0, 12, 12)] * 3, 12), images)
     # Through the loader: with flips only, every image is its sample or its mirror, both occur.
     gray = torch.arange(64, dtype=torch.uint8).view(1, 1, 8, 8).repeat(64, 1, 1, 1)
     loader = memory.MemoryTrainLoader(

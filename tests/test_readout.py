@@ -8,9 +8,9 @@ import torch
 from test_eval_features import TINY, _load_script, _tiny_backbone, _write_shards
 
 from ssl_vit.data.holdout import held_out_mask
-from ssl_vit.evaluation.knn import knn_eval
 from ssl_vit.evaluation.readout_select import readout_candidates, select_readout
 from ssl_vit.features import FeatureError, extract_features, raw_pixels_backbone
+from ssl_vit.knn import knn_eval
 from ssl_vit.readout import block_tokens, pool_tokens
 
 CPU = torch.device("cpu")

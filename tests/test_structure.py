@@ -143,9 +143,7 @@ def test_no_import_cycles():
     assert cycles() == []
 
 
-# Known, to be removed: the in-training kNN monitor calls the kNN evaluator (its FAISS search
-# belongs below both).
-KNOWN_UPWARD = {("ssl_vit.engine.evaluate", "ssl_vit.evaluation.knn")}
+KNOWN_UPWARD: set[tuple[str, str]] = set()  # none left: keep it so
 
 
 def test_lower_layers_do_not_import_the_evaluators():

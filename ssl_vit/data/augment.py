@@ -321,6 +321,45 @@ def crop_resize(img: np.ndarray, size: int, box: tuple[int, int, int, int]) -> n
     return _resize_pil(img, size, box)
 
 
+def crop_resize_batch(
+    images: torch.Tensor | list[torch.Tensor], boxes: list, size: int
+) -> torch.Tensor:  # (B, C, size, size) uint8 on the images' device
+    """Each image's (top, left, h, w) box resampled to size x size by one roi_align call: the
+    crop-and-resize of every path that resizes a batch on a device (batches held in RAM, JPEGs
+    decoded on the GPU). roi_align averages ceil(box / size) bilinear samples per pixel, close
+    to the antialiased resize of the per-image path (tests/test_device_decode.py states how
+    close); a box of the output's size is its pixels exactly. `images`: a (B, C, H, W) batch,
+    or (C, H, W) images of different sizes."""
+    from torchvision.ops import roi_align  # here: the per-image path never needs torchvision
+
+    if isinstance(images, torch.Tensor):
+        padded = images.float()  # (B, C, H, W)
+    else:
+        n, C = len(images), images[0].shape[0]
+        Hmax = max(img.shape[1] for img in images)
+        Wmax = max(img.shape[2] for img in images)
+        padded = torch.zeros((n, C, Hmax, Wmax), dtype=torch.float32, device=images[0].device)
+        for j, img in enumerate(images):
+            H, W = img.shape[1:]
+            dst = padded[j]  # (C, Hmax, Wmax)
+            dst[:, :H, :W] = img
+            # roi_align clamps samples past an image's last row or column only at the tensor's
+            # edge: replicate the edge into the pad so that the smaller images get the same.
+            if H < Hmax:
+                dst[:, H, :W] = img[:, H - 1]
+            if W < Wmax:
+                rows = min(H + 1, Hmax)
+                dst[:, :rows, W] = dst[:, :rows, W - 1]
+    rois = torch.tensor(
+        [[j, left, top, left + w, top + h] for j, (top, left, h, w) in enumerate(boxes)],
+        dtype=torch.float32,
+    ).to(padded.device)  # (B, 5): batch index, x1, y1, x2, y2 (pixel edges)
+    out = roi_align(
+        padded, rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True
+    )  # (B, C, size, size)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
 def _resize_pil(img: np.ndarray, size: int | tuple[int, int], box: tuple) -> np.ndarray:
     """PIL's antialiased bilinear resize of the (top, left, h, w) box (floats allowed) to
     size x size, or to (width, height)."""

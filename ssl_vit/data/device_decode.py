@@ -18,9 +18,8 @@ import warnings
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.ops import roi_align
 
-from .augment import jpeg_frame, train_box
+from .augment import crop_resize_batch, jpeg_frame, train_box
 
 Buffer = bytes | bytearray | memoryview
 
@@ -136,31 +135,12 @@ def _decode_jpeg(
 def _crop_resize(
     images: list[torch.Tensor], boxes: list[list[int]], size: int, first: int
 ) -> torch.Tensor:  # (n, C, size, size) uint8
-    """Each image's (top, left, h, w) box resampled to size x size by one roi_align call."""
-    n, C = len(images), images[0].shape[0]
-    Hmax = max(img.shape[1] for img in images)
-    Wmax = max(img.shape[2] for img in images)
-    padded = torch.zeros((n, C, Hmax, Wmax), dtype=torch.float32, device=images[0].device)
+    """Each image's (top, left, h, w) box resampled to size x size (augment.crop_resize_batch),
+    once every box is known to lie inside its image (the boxes come from JPEG headers)."""
     for j, (img, (top, left, h, w)) in enumerate(zip(images, boxes, strict=True)):
         H, W = img.shape[1:]
         if not (top >= 0 and left >= 0 and h >= 1 and w >= 1 and top + h <= H and left + w <= W):
             raise DeviceDecodeError(
                 first + j, f"box (top, left, h, w)={(top, left, h, w)} is not inside {H}x{W}"
             )
-        dst = padded[j]  # (C, Hmax, Wmax)
-        dst[:, :H, :W] = img
-        # roi_align clamps samples past an image's last row or column only at the tensor's
-        # edge: replicate the edge into the pad so that the smaller images get the same.
-        if H < Hmax:
-            dst[:, H, :W] = img[:, H - 1]
-        if W < Wmax:
-            rows = min(H + 1, Hmax)
-            dst[:, :rows, W] = dst[:, :rows, W - 1]
-    rois = torch.tensor(
-        [[j, left, top, left + w, top + h] for j, (top, left, h, w) in enumerate(boxes)],
-        dtype=torch.float32,
-    ).to(padded.device)  # (n, 5): batch index, x1, y1, x2, y2 (pixel edges)
-    out = roi_align(
-        padded, rois, output_size=size, spatial_scale=1.0, sampling_ratio=-1, aligned=True
-    )  # (n, C, size, size)
-    return out.round_().clamp_(0, 255).to(torch.uint8)
+    return crop_resize_batch(images, boxes, size)

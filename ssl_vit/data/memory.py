@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .augment import crop_params, mix_seed, shift_params
+from .augment import crop_params, crop_resize_batch, mix_seed, shift_params
 from .datasets import EvalStream
 from .holdout import excluded_indices
 from .manifest import Manifest
@@ -199,7 +199,7 @@ class MemoryTrainLoader(LoaderCounts):
             if (h, w) != (size, size):
                 images = _centre_resize(images, size, square=False)
         else:
-            images = _crop_resize(images, boxes, size)
+            images = crop_resize_batch(images, boxes, size)
         if self.translate:  # drawn after the flips: without it, the draws are what they were
             shifts = [shift_params(rng, self.translate) for _ in range(self.global_batch)]
             images = shift_batch(images, shifts[lo : lo + self.batch_size], self.translate)
@@ -220,33 +220,12 @@ def shift_batch(images: torch.Tensor, shifts: list[tuple[int, int]], pad: int) -
     return out.permute(0, 3, 1, 2).contiguous()
 
 
-def _crop_resize(images: torch.Tensor, boxes: list[tuple], size: int) -> torch.Tensor:
-    """Each image's (top, left, h, w) box resampled to size x size, bilinear, in one call."""
-    B, C, H, W = images.shape
-    box = torch.tensor(boxes, dtype=torch.float32, device=images.device)  # (B, 4)
-    top, left, bh, bw = box.unbind(1)
-    theta = torch.zeros(B, 2, 3, device=images.device)
-    theta[:, 0, 0], theta[:, 0, 2] = bw / W, (2 * left + bw) / W - 1  # x: box centre, width
-    theta[:, 1, 1], theta[:, 1, 2] = bh / H, (2 * top + bh) / H - 1
-    grid = F.affine_grid(theta, [B, C, size, size], align_corners=False)
-    out = F.grid_sample(
-        images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False
-    )
-    return out.round_().clamp_(0, 255).to(torch.uint8)
-
-
 def _centre_resize(images: torch.Tensor, size: int, square: bool = True) -> torch.Tensor:
-    """The central square (or, with square=False, the whole image) resized to size x size
-    (bilinear, antialiased as the streaming loader's PIL resize is)."""
+    """The central square (or, with square=False, the whole image) resized to size x size."""
     h, w = images.shape[-2:]
-    if square:
-        side = min(h, w)
-        top, left = (h - side) // 2, (w - side) // 2
-        images = images[..., top : top + side, left : left + side]
-    out = F.interpolate(
-        images.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False
-    )
-    return out.round_().clamp_(0, 255).to(torch.uint8)
+    side = min(h, w)
+    box = ((h - side) // 2, (w - side) // 2, side, side) if square else (0, 0, h, w)
+    return crop_resize_batch(images, [box] * len(images), size)
 
 
 def load_training_samples(

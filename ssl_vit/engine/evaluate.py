@@ -121,7 +121,7 @@ def knn_monitor(
     """kNN top-1 (k = cfg.k, T = 0.07) of the current pooled features (`--pool auto`): a
     gallery of the first `num_train` samples of the train split, queried by the first
     `num_eval` of the eval split."""
-    from ssl_vit.evaluation.knn import knn_eval  # FAISS loads only when the monitor runs
+    from ssl_vit.knn import knn_eval  # FAISS loads only when the monitor runs
 
     was_training = backbone.training
     frozen = EvalBackbone(

@@ -1,4 +1,5 @@
-"""Evaluators on frozen features: kNN (FAISS), few-shot ridge, linear probe; results reporting.
+"""Evaluators on frozen features: kNN (FAISS, from ssl_vit.knn), few-shot ridge, linear probe;
+results reporting.
 
 The names load on first use (PEP 562): the entry scripts import `ssl_vit.evaluation.options`
 and `.cli` to parse their arguments, which must not load torch and FAISS on the way.
@@ -10,10 +11,10 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "knn_eval": "knn",
-    "knn_vote": "knn",
-    "map_at_r": "knn",
-    "recall_at_k": "knn",
+    "knn_eval": "ssl_vit.knn",
+    "knn_vote": "ssl_vit.knn",
+    "map_at_r": "ssl_vit.knn",
+    "recall_at_k": "ssl_vit.knn",
     "fewshot_eval": "fewshot",
     "ridge_fit": "fewshot",
     "linear_probe_eval": "linear_probe",
@@ -28,4 +29,6 @@ __all__ = list(_WHERE)
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    where = _WHERE[name]
+    module = where if "." in where else f"{__name__}.{where}"  # kNN lives below, in ssl_vit.knn
+    return getattr(importlib.import_module(module), name)

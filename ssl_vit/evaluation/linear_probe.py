@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from timm.optim import Lars
 from tqdm.auto import tqdm
 
-from ssl_vit.evaluation.knn import topk_accuracy
 from ssl_vit.evaluation.options import DEFAULT_L2_GRID, DEFAULT_LR_GRID
+from ssl_vit.knn import topk_accuracy
 
 
 def _standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:

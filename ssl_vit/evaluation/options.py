@@ -6,8 +6,8 @@ answer before torch, timm or FAISS load (seconds); the evaluators import them fr
 
 from __future__ import annotations
 
-# The read-outs and the feature cache belong to the feature extraction below the evaluators.
-from ssl_vit.feature_options import DEFAULT_CACHE_DIR, POOLS
+# The read-outs, the feature cache and kNN belong below the evaluators.
+from ssl_vit.feature_options import DEFAULT_CACHE_DIR, DEFAULT_KS, DEFAULT_T, INDEX_KINDS, POOLS
 
 __all__ = [
     "POOLS",
@@ -19,11 +19,6 @@ __all__ = [
     "DEFAULT_L2_GRID",
     "DEFAULT_LR_GRID",
 ]
-
-# kNN (DINO's protocol): neighbour counts, vote temperature, FAISS index kinds
-DEFAULT_KS = (10, 20, 100, 200)
-DEFAULT_T = 0.07
-INDEX_KINDS = ("flat", "ivf", "hnsw")
 
 DEFAULT_SHOTS = (1, 5, 10, 25)  # few-shot examples per class (ViT paper, sec. 4.1)
 

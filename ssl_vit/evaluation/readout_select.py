@@ -29,7 +29,6 @@ import torch
 
 from ssl_vit.data.holdout import held_out_mask
 from ssl_vit.data.manifest import load_manifest
-from ssl_vit.evaluation.knn import DEFAULT_T, knn_eval
 from ssl_vit.features import (
     EvalBackbone,
     FeatureError,
@@ -41,6 +40,7 @@ from ssl_vit.features import (
     feature_fields,
 )
 from ssl_vit.io import atomic_write_bytes
+from ssl_vit.knn import DEFAULT_T, knn_eval
 from ssl_vit.readout import block_tokens, depth_of, pool_from_tokens, readout_name
 
 __all__ = ["Readout", "readout_candidates", "select_readout", "SELECT_K", "SELECT_HOLDOUT"]

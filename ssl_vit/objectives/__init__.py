@@ -14,7 +14,9 @@ builds it. Weight decay: `param_groups(objective, weight_decay)` gives the optim
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -39,20 +41,19 @@ __all__ = [
     "OPTIONS",
 ]
 
-# The keyword options of each objective (besides backbone, mean and std), as its class takes them
-MPP_OPTIONS = (
-    "patch_size",
-    "in_chans",
-    "corrupt_ratio",
-    "mask_prob",
-    "random_prob",
-    "target",
-    "bits",
-    "downsize",
-    "normalize_pixels",
-    "head_hidden",
-)
-SUPERVISED_OPTIONS = ("num_classes", "label_smoothing", "head_hidden", "head")
+
+def _keywords(cls: type) -> tuple[str, ...]:
+    """The keyword options of an objective class besides the input normalisation (mean, std):
+    its signature is their one declaration."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return tuple(
+        p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in ("mean", "std")
+    )
+
+
+MPP_OPTIONS = _keywords(MaskedPatchPrediction)
+SUPERVISED_OPTIONS = _keywords(SupervisedObjective)
+# Cascade is loaded by name only when it runs (MPP pretraining never imports it): named here.
 CASCADE_OPTIONS = (
     "num_classes",
     "coarse_sizes",
@@ -72,23 +73,19 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 def options_from_config(o: ObjectiveConfig, *, in_chans: int, num_classes: int | None) -> dict:
     """The `objective.*` config keys (and the data's channels and classes) as the options of
     the objective `o.kind`: what `build_objective` takes and the export records."""
-    mpp = {
-        "in_chans": in_chans,
-        "corrupt_ratio": o.corrupt_ratio,
-        "mask_prob": o.mask_prob,
-        "random_prob": o.random_prob,
-        "target": o.target,
-        "bits": o.bits,
-        "normalize_pixels": o.normalize_pixels,
-    }
-    supervised = {"num_classes": num_classes, "label_smoothing": o.label_smoothing}
+    config_keys = {f.name for f in dataclasses.fields(o)}
+
+    def given(names: tuple[str, ...]) -> dict:  # the options a config key of that name sets
+        return {k: getattr(o, k) for k in names if k in config_keys}
+
+    mpp = {"in_chans": in_chans, **given(MPP_OPTIONS)}
+    supervised = {"num_classes": num_classes, **given(SUPERVISED_OPTIONS)}
     if o.kind == "mpp":
         return mpp
     if o.kind in ("supervised", "finetune"):
         return supervised
     if o.kind == "joint":
-        weights = {"mpp_weight": o.mpp_weight, "supervised_weight": o.supervised_weight}
-        return {**mpp, **supervised, **weights}
+        return {**mpp, **supervised, **given(("mpp_weight", "supervised_weight"))}
     return {  # cascade: the coarser stages' image sizes (the finest is model.img_size)
         **supervised,
         "coarse_sizes": [int(s) for s in o.cascade_sizes],

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ssl_vit.evaluation.options import DEFAULT_KS, DEFAULT_T, INDEX_KINDS
+from ssl_vit.feature_options import DEFAULT_KS, DEFAULT_T, INDEX_KINDS
 
 if TYPE_CHECKING:
     import faiss
