@@ -240,28 +240,14 @@ def read_shard(
 
     while nxt < stop:
         error, before = None, nxt
-        anchor = min(nxt // ref.every, len(ref.offsets) - 1) if ref.every and ref.offsets else -1
-        first = anchor * ref.every if anchor >= 0 else 0
-        byte = ref.offsets[anchor] if anchor >= 0 else 0
+        first, byte = _entry(ref, nxt)
         src: BlockReader | _Counting | None = None
         pending: list[tuple[int, dict | None]] = []  # read, their block not checked yet
         seen = first  # positions read from this open
         try:
             counter.reading(f"{ref.url} from byte {byte}")
             raw, at = open_url(ref.url, byte, retry=retry)
-            src = (
-                BlockReader(
-                    raw,
-                    ref.url,
-                    at,
-                    ref.offsets,
-                    ref.size,
-                    ref.digests,
-                    seekable=not ref.verify_all,
-                )
-                if checked
-                else _Counting(raw)
-            )
+            src = _source(ref, raw, at)
             with raw:
                 if at < byte:  # a pipe starts at 0
                     _drop(src, byte - at, ref.url)
@@ -321,6 +307,48 @@ def read_shard(
         time.sleep(retry.backoff * 2 ** (failures - 1))
     if error is None and nxt >= stop:
         return
+    _stopped_short(ref, counter, error, start, nxt, stop, keep, retry, missing)
+
+
+def _entry(ref: ShardRef, nxt: int) -> tuple[int, int]:
+    """Where a read that must reach sample `nxt` opens the shard: (position, byte) of the
+    last indexed sample at or before it, or the shard's start without an index."""
+    anchor = min(nxt // ref.every, len(ref.offsets) - 1) if ref.every and ref.offsets else -1
+    first = anchor * ref.every if anchor >= 0 else 0
+    byte = ref.offsets[anchor] if anchor >= 0 else 0
+    return first, byte
+
+
+def _source(ref: ShardRef, raw: Any, at: int) -> BlockReader | _Counting:
+    """What the samples are read through: with block checksums a `BlockReader` that checks
+    each block and holds its samples back until then, else a byte count of the raw file."""
+    if not ref.digests:
+        return _Counting(raw)
+    return BlockReader(
+        raw,
+        ref.url,
+        at,
+        ref.offsets,
+        ref.size,
+        ref.digests,
+        seekable=not ref.verify_all,
+    )
+
+
+def _stopped_short(
+    ref: ShardRef,
+    counter: ReadCounter,
+    error: Exception | None,
+    start: int,
+    nxt: int,
+    stop: int,
+    keep: Callable[[int], bool] | None,
+    retry: Retry,
+    missing: Literal["error", "skip"],
+) -> None:
+    """A read of start..stop-1 that gave up at `nxt` (`error`, or None if the shard ended
+    early): raise under missing="error" where that applies, else count the lost samples and
+    the shard error and log the skip."""
     lost = range(ref.offset + nxt, ref.offset + stop)
     n_lost = sum(1 for i in lost if keep is None or keep(i))
     why = reason(error) if error is not None else "ended early"

@@ -117,6 +117,7 @@ def plot(points: list[dict], singles: list[dict], matched: dict | None, path: Pa
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """The pipeline in the module docstring, up to the results `report` writes."""
     device = torch.device(args.device)
     objective, meta, resolved = load_cascade(args.backbone, args.tracking_uri)
     objective.to(device)
@@ -159,17 +160,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         points.append(
             {**c, "top1": r["top1"], "gflops": r["mean_flops"] / 1e9, "exit_share": r["exit_share"]}
         )
-    singles = [
-        {
-            "stage": s,
-            "grid": list(cascade.stages[s].grid),
-            "top1": float(test.correct[:, s].mean()),
-            "held_top1": float(held.correct[:, s].mean()),
-            "gflops_alone": alone[s] / 1e9,
-            "gflops_in_cascade": float(reach[s]) / 1e9,
-        }
-        for s in range(cascade.num_stages)
-    ]
+    singles = _single_stages(cascade, held, test, alone, reach)
     finest = singles[-1]
     # The operating point, chosen on held-out: the least compute whose held-out accuracy
     # reaches the finest stage's held-out accuracy.
@@ -183,29 +174,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     }
     speed: dict[str, Any] = {}
     if matched:
-        thr = matched["thresholds"]
         xs = norm(test_x[: args.speed_images].to(device).float().div_(255))
-        last = cascade.stages[-1]
-        # The single-stage reference runs timm's own forward (fused attention where torch has
-        # it): the cascade must beat the fastest plain ViT, not our unfused blocks.
-        fns = {
-            "cascade_images_per_s": lambda x: cascade.early_exit(x, thr),
-            "finest_images_per_s": lambda x: last.head(
-                last.vit.forward_head(last.vit.forward_features(x), pre_logits=True)
-            ),
-            "finest_unfused_images_per_s": lambda x: last(x, None),
-        }
-        speed = dynamic.images_per_second(fns, xs, args.batch_size, args.repeats)
-        speed.update(
-            {
-                "batch_size": args.batch_size,
-                "images": len(xs),
-                "repeats": args.repeats,
-                "threads": torch.get_num_threads(),
-                "load_avg": os.getloadavg(),
-            }
-        )
-        speed["speedup"] = speed["cascade_images_per_s"] / speed["finest_images_per_s"]
+        speed = _time_matched(cascade, matched["thresholds"], xs, args.batch_size, args.repeats)
         metrics.update(
             {
                 "matched_top1": matched["top1"],
@@ -243,6 +213,53 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
     }
     return results
+
+
+def _single_stages(
+    cascade: Any, held: Any, test: Any, alone: list[float], reach: np.ndarray
+) -> list[dict]:
+    """Each stage as an operating point of its own: every image leaves at it, so stages 1..s
+    run for all of them (`gflops_in_cascade`); `gflops_alone` is its ViT without the rest."""
+    return [
+        {
+            "stage": s,
+            "grid": list(cascade.stages[s].grid),
+            "top1": float(test.correct[:, s].mean()),
+            "held_top1": float(held.correct[:, s].mean()),
+            "gflops_alone": alone[s] / 1e9,
+            "gflops_in_cascade": float(reach[s]) / 1e9,
+        }
+        for s in range(cascade.num_stages)
+    ]
+
+
+def _time_matched(
+    cascade: Any, thr: Any, xs: torch.Tensor, batch_size: int, repeats: int
+) -> dict[str, Any]:
+    """Images per second of batched early exit at thresholds `thr` against the finest stage
+    alone, on the normalised images `xs`, with what the timing ran under."""
+    last = cascade.stages[-1]
+    # The single-stage reference runs timm's own forward (fused attention where torch has
+    # it): the cascade must beat the fastest plain ViT, not our unfused blocks.
+    fns = {
+        "cascade_images_per_s": lambda x: cascade.early_exit(x, thr),
+        "finest_images_per_s": lambda x: last.head(
+            last.vit.forward_head(last.vit.forward_features(x), pre_logits=True)
+        ),
+        "finest_unfused_images_per_s": lambda x: last(x, None),
+    }
+    speed = dynamic.images_per_second(fns, xs, batch_size, repeats)
+    speed.update(
+        {
+            "batch_size": batch_size,
+            "images": len(xs),
+            "repeats": repeats,
+            "threads": torch.get_num_threads(),
+            "load_avg": os.getloadavg(),
+        }
+    )
+    speed["speedup"] = speed["cascade_images_per_s"] / speed["finest_images_per_s"]
+    return speed
 
 
 def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
