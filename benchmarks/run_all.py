@@ -33,6 +33,8 @@ BENCHMARKS = [
     ("jpeg_loader", "photo JPEGs at 224 px, 1 worker each: our loader vs torchvision "
      "ImageFolder; bytes read per epoch at 1..512 streams; GPU decode where there is a GPU",
      [], ["--quick"]),
+    ("tar_io", "tar I/O on 224-px photo JPEGs: our shard reader and writer vs webdataset's",
+     [], ["--rounds", "3"]),
     ("shard_prep", "data_prep/make_shards.py vs bare decode + encode of the same images",
      [], ["--repeats", "1"]),
     ("knn", "FAISS kNN vs scikit-learn KNeighborsClassifier vs chunked torch matmul",
