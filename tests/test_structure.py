@@ -195,3 +195,16 @@ def test_every_file_pyproject_names_exists():
     assert named  # the pattern still finds the references
     missing = sorted(n for n in named if not (ROOT / n).exists() and not (LIB / n).exists())
     assert missing == []
+
+
+def test_no_library_function_runs_past_100_lines():
+    """A function a reader cannot take in at once is split where it has a seam; the trainer's
+    setup, the page a reader follows first, stays within 80."""
+    longest = {}
+    for path in sorted(LIB.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{path.relative_to(LIB.parent)}:{node.name}"
+                longest[name] = node.end_lineno - node.lineno + 1
+    assert sorted(n for n, lines in longest.items() if lines > 100) == []
+    assert longest["ssl_vit/engine/trainer.py:setup"] <= 80
