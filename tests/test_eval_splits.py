@@ -1,5 +1,5 @@
-"""In-training evaluation sets (ssl_vit.engine.evaluate.EvalSplits): decoded once and kept when
-they fit, streamed every time when not, and scored the same either way."""
+"""In-training evaluation sets (ssl_vit.engine.in_training_evals.EvalSplits): decoded once and
+kept when they fit, streamed every time when not, and scored the same either way."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from test_stream import make_set
 from torch import nn
 
 from ssl_vit.data.manifest import load_manifest
-from ssl_vit.engine import evaluate
-from ssl_vit.engine.evaluate import EvalSplits, classifier_accuracy
+from ssl_vit.engine import in_training_evals
+from ssl_vit.engine.in_training_evals import EvalSplits, classifier_accuracy
 
 
 class LookupClassifier(nn.Module):
@@ -48,7 +48,7 @@ def test_a_split_that_fits_is_decoded_once_and_scored_as_streamed(tmp_path: Path
     pairs = [(img, int(y)) for x, ys in whole for img, y in zip(x, ys, strict=True)]
     known = {img.numpy().tobytes(): y for img, y in pairs[::2]}  # every other sample's label
     with monkeypatch.context() as m:  # the same split streamed: nothing kept
-        m.setattr(evaluate, "EVAL_CACHE_BUDGET", 0)
+        m.setattr(in_training_evals, "EVAL_CACHE_BUDGET", 0)
         stream = _splits(root).batches("train", 0.2)
         assert not isinstance(stream, list)
         streamed = _score(stream, known)
@@ -61,7 +61,7 @@ def test_a_split_that_fits_is_decoded_once_and_scored_as_streamed(tmp_path: Path
 
 
 def test_a_split_over_the_budget_is_streamed_every_time(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(evaluate, "EVAL_CACHE_BUDGET", 0)
+    monkeypatch.setattr(in_training_evals, "EVAL_CACHE_BUDGET", 0)
     root = make_set(tmp_path / "set", [30, 10])
     splits = _splits(root)
     assert not isinstance(splits.batches("train", None), list)

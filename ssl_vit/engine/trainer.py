@@ -48,7 +48,7 @@ from ssl_vit.engine.distributed import (
     device_for,
     init_distributed,
 )
-from ssl_vit.engine.evaluate import InTrainingEvals
+from ssl_vit.engine.in_training_evals import InTrainingEvals
 from ssl_vit.engine.optim import (
     StepSchedule,
     clips_in_step,
