@@ -32,7 +32,7 @@ class LookupClassifier(nn.Module):
 
 def _splits(root: Path, **kw) -> EvalSplits:
     base = dict(img_size=8, rank=0, world=1, num_workers=0, device=torch.device("cpu"))
-    return EvalSplits(root, load_manifest(root), **{**base, **kw})
+    return EvalSplits(load_manifest(root), **{**base, **kw})
 
 
 def _score(batches, known: dict[bytes, int]) -> float:

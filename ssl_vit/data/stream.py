@@ -339,7 +339,7 @@ def make_train_loader(
 
 
 def make_eval_loader(
-    root: str | Path,
+    root: str | Path | Manifest,
     split: str,
     *,
     batch_size: int,

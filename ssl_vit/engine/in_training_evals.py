@@ -66,13 +66,13 @@ def classifier_accuracy(
 
 class EvalSplits:
     """The rank's part of each evaluation split, decoded once and kept (on the training device)
-    when it fits EVAL_CACHE_BUDGET, else streamed every time. In-training evaluations repeat
-    the same deterministic decode each time: on an H200 one of the Fashion-MNIST test split and
-    the held-out 2% took 4-5 s, as long as an epoch of training (the hybrid preset)."""
+    when it fits EVAL_CACHE_BUDGET, else streamed every time: in-training evaluations would
+    otherwise repeat the same deterministic decode each time (on a fast GPU, as long as an
+    epoch of a small model's training; docs/training.md). Read from the manifest the trainer
+    loaded."""
 
     def __init__(
         self,
-        root: str | Path,
         manifest: Manifest,
         img_size: int,
         rank: int,
@@ -80,7 +80,7 @@ class EvalSplits:
         num_workers: int,
         device: torch.device,
     ) -> None:
-        self.root, self.manifest, self.img_size = root, manifest, img_size
+        self.manifest, self.img_size = manifest, img_size
         self.rank, self.world, self.num_workers, self.device = rank, world, num_workers, device
         self.kept: dict[tuple[str, float | None], list] = {}
 
@@ -92,7 +92,7 @@ class EvalSplits:
         # server (IN_TRAINING_START), never forked from this threaded process.
         n = self.manifest.split(split).num_samples
         loader = make_eval_loader(
-            self.root,
+            self.manifest,
             split,
             batch_size=256,
             img_size=self.img_size,
@@ -114,7 +114,7 @@ def knn_monitor(
     mean: list[float],
     std: list[float],
     cfg: MonitorConfig,
-    root: str | Path,
+    manifest: Manifest,
     img_size: int,
     in_chans: int,
 ) -> float:
@@ -135,7 +135,7 @@ def knn_monitor(
     device = next(backbone.parameters()).device
     sets = []
     for split, n in ((cfg.train_split, cfg.num_train), (cfg.eval_split, cfg.num_eval)):
-        loader = make_eval_loader(root, split, batch_size=256, img_size=img_size, num_workers=0)
+        loader = make_eval_loader(manifest, split, batch_size=256, img_size=img_size, num_workers=0)
         batches = itertools.islice(loader, -(-n // 256))
         sets.append(extract_features(frozen, batches, device=device, desc=f"monitor {split}"))
     backbone.train(was_training)
@@ -223,7 +223,6 @@ class InTrainingEvals:
             device = next(classifier.parameters()).device
             workers = min(2, self.cfg.data.num_workers)
             self.splits = EvalSplits(
-                self.cfg.data.root,
                 self.manifest,
                 self.img_size,
                 rank=self.rank,
@@ -270,7 +269,7 @@ class InTrainingEvals:
                     self.mean,
                     self.std,
                     self.cfg.monitor,
-                    self.cfg.data.root,
+                    self.manifest,
                     img_size=self.img_size,
                     in_chans=self.in_chans,
                 )
