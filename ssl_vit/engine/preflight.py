@@ -147,9 +147,7 @@ def check_remote_shards(manifest: Manifest, split: str, missing: str) -> None:
     )
 
 
-def check_read_plan(
-    cfg: Config, manifest: Manifest, world: int, shards: list[ShardRef] | None = None
-) -> float:
+def check_read_plan(cfg: Config, manifest: Manifest, world: int, shards: list[ShardRef]) -> float:
     """Refuse a streamed epoch that would read the shard set more than MAX_READ_FACTOR times:
     streams that must read shard heads to drop them (a pipe, or remote shards without the
     offset index) when there are not many more shards than streams (ssl_vit.data.stream_plan).
@@ -167,8 +165,6 @@ def check_read_plan(
     d = cfg.data
     if d.resampled or resolve_in_memory(d.in_memory, manifest, d.split)[0]:
         return 1.0
-    if shards is None:
-        shards = select_shards(manifest, d.split, d.missing_shards, d.verify)  # type: ignore[arg-type]
     total = sum(r.num_samples for r in shards)
     subset = read_subset(cfg, total)
     exclusions = Exclusions(excluded_indices(total, cfg.holdout_share, d.train_fraction, subset))
