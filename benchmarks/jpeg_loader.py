@@ -20,7 +20,7 @@ order reversed every other round): --warmup batches first (they drain what its w
 while the others were timed), then --batches batches timed. Medians over rounds; the ratio is
 ours over the faster torchvision pipeline, taken within each round, median over rounds.
 
-(b) Bytes read per epoch. The plan (ssl_vit.data.stream_plan.exact_pieces and read_factor) at
+(b) Bytes read per epoch. The plan (ssl_vit.data.stream.exact_pieces and read_factor) at
 1, 2, 8, 32, 128, 320 and 512 streams (ranks x loader workers) for this photo set and for an
 ImageNet-like set (257 shards x 5,000 samples, offset index every 100 samples, ~110 kB a
 sample), each as local files, as remote shards with the offset index and as remote shards
@@ -57,8 +57,13 @@ from photo_set import DEFAULT_OUT, ROOT, make_photo_set  # noqa: E402
 
 from ssl_vit.data.manifest import load_manifest  # noqa: E402
 from ssl_vit.data.shards import ShardRef, select_shards  # noqa: E402
-from ssl_vit.data.stream import make_train_loader  # noqa: E402
-from ssl_vit.data.stream_plan import Exclusions, exact_pieces, read_factor, stream_quota  # noqa: E402
+from ssl_vit.data.stream import (  # noqa: E402
+    Exclusions,
+    exact_pieces,
+    make_train_loader,
+    read_factor,
+    stream_quota,
+)
 from ssl_vit.perf import describe_machine  # noqa: E402
 
 STREAMS = (1, 2, 8, 32, 128, 320, 512)

@@ -85,7 +85,7 @@ class DataConfig:
     # false: every training sample read once per epoch by exactly one loader stream (streams
     # start inside shards through the manifest's offset index); true: each stream draws shards
     # with replacement, an epoch being a sample count (elastic runs, few or unindexed remote
-    # shards). ssl_vit.data.stream_plan.
+    # shards). ssl_vit.data.stream (the plan).
     resampled: bool = False
     # Where training JPEGs are decoded, cropped and flipped: "gpu" (the whole batch at once on
     # the training GPU; workers only read and draw the boxes), "cpu" (in the loader workers), or

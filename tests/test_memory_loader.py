@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_stream import make_set
 
-from ssl_vit.data import memory
+from ssl_vit.data import memory, stream
 from ssl_vit.data.augment import crop_resize_batch, shift_image
 from ssl_vit.data.holdout import held_out_indices
 from ssl_vit.data.manifest import load_manifest
@@ -140,7 +140,7 @@ def test_workers_from_the_training_start_method_give_the_same_batches(
 ):
     """What a training run uses (IN_TRAINING_START: a fork server, never a fork of the threaded
     trainer) yields exactly what forked workers yield, streamed or decoded into RAM."""
-    monkeypatch.setattr(memory, "IN_PROCESS_SAMPLES", 0)  # decode with workers all the same
+    monkeypatch.setattr(stream, "IN_PROCESS_SAMPLES", 0)  # decode with workers all the same
     root = make_set(tmp_path, [30, 30], size=12, corrupt_image=(7,))
     kw = dict(img_size=8, scale=(0.3, 1.0), global_batch=8, translate=1, in_memory=in_memory)
     if not in_memory:

@@ -316,7 +316,7 @@ def test_plan_reads_each_sample_once_at_scale(streams: int) -> None:
     shard size) over up to 512 streams. Each sample is planned at most once; the plan reads the
     set about once where streams can enter a shard (local, or an indexed remote shard) and far
     more where they must read its head (an unindexed remote shard)."""
-    from ssl_vit.data.stream_plan import Exclusions, exact_pieces, read_factor, stream_quota
+    from ssl_vit.data.stream import Exclusions, exact_pieces, read_factor, stream_quota
 
     workers = 1 if streams < 8 else 8
     world = max(1, streams // workers)
@@ -354,10 +354,10 @@ def test_workers_persist_across_epochs(tmp_path: Path) -> None:
     root = make_set(tmp_path, [9, 9, 9, 9])
     loader = _train(root, global_batch=6)
     _epoch(loader)
-    pids = [w.pid for w in loader._dataloader()._iterator._workers]
+    pids = [w.pid for w in loader._loader._iterator._workers]
     loader.set_epoch(2)
     again = _epoch(loader)
-    assert [w.pid for w in loader._dataloader()._iterator._workers] == pids
+    assert [w.pid for w in loader._loader._iterator._workers] == pids
     fresh = _epoch(_train(root, global_batch=6, epoch=2))
     assert all(torch.equal(p, q) for p, q in zip(again[0] + again[1], fresh[0] + fresh[1],
                                                  strict=True))  # fmt: skip

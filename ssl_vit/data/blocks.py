@@ -47,7 +47,9 @@ class BlockReader:
     against `digests` as its last byte passes (`ShardIntegrityError` on a mismatch).
 
     `seekable=False` makes the tar reader read and drop what it would otherwise seek past, so
-    every block is hashed (`data.verify=all`). A seek leaves the blocks it touches unverified."""
+    every block is hashed (`data.verify=all`). A seek leaves the blocks it touches unverified.
+    Without `digests` (a set without block checksums) it checks nothing, holds nothing back and
+    only counts the bytes read."""
 
     def __init__(
         self,
@@ -98,8 +100,9 @@ class BlockReader:
         self.hash = hashlib.sha256() if self.block < len(self.digests) else None
 
     def closed_before(self, block: int) -> bool:
-        """Whether block `block` has been checked (or given up as unverified)."""
-        return self.block > block
+        """Whether block `block` has been checked (or given up as unverified); every block is,
+        without digests."""
+        return self.block > block or not self.digests
 
     def finish_block(self) -> None:
         """Read to the end of the current block, so that it is checked (the end of the file for

@@ -148,10 +148,9 @@ class Manifest:
             body.pop(key)
         if self.indexed or self.layout != SampleLayout():  # make_shards' sets: as before
             body["sample"] = self.layout.to_json()
-        if body["shards_root"] is None:
-            del body["shards_root"]
-        if body["index_every"] is None:
-            del body["index_every"]
+        for key in ("shards_root", "index_every"):
+            if body[key] is None:
+                del body[key]
         for split in body["splits"].values():
             for shard in split["shards"]:
                 for key in ("offsets", "block_sha256"):
@@ -176,6 +175,7 @@ _REDO = "re-create the manifest with data_prep/make_shards.py"
 _SPLIT_KEYS = {"num_samples", "shards"}
 _SHARD_KEYS = {"name", "num_samples", "bytes", "sha256", "offsets", "block_sha256"}
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_REQUIRED = object()  # _Checker.get's default: the key must be there
 _JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number",
                list: "a list", dict: "an object", type(None): "null"}  # fmt: skip
 
@@ -230,13 +230,23 @@ class _Checker:
     def error(self, where: str, problem: str) -> ManifestError:
         return ManifestError(f"{self.path}: {where}{problem}; {self.redo}")
 
-    def get(self, obj: dict, key: str, where: str, ok: Callable[[Any], bool], want: str) -> Any:
-        """obj[key] where `ok` accepts it; `want` says what it must be."""
-        if key not in obj:
+    def get(
+        self,
+        obj: dict,
+        key: str,
+        where: str,
+        ok: Callable[[Any], bool],
+        want: str,
+        default: Any = _REQUIRED,
+    ) -> Any:
+        """obj[key] where `ok` accepts it (`default` where the key is absent, if given);
+        `want` says what it must be."""
+        if key not in obj and default is _REQUIRED:
             raise self.error(where, f"missing key {key!r}")
-        if not ok(obj[key]):
-            raise self.error(where, f"key {key!r} is {_show(obj[key])}, not {want}")
-        return obj[key]
+        value = obj.get(key, default)
+        if not ok(value):
+            raise self.error(where, f"key {key!r} is {_show(value)}, not {want}")
+        return value
 
     def entry(self, obj: object, keys: set[str], where: str) -> dict:
         """A split or shard entry: an object with no keys but `keys`."""
@@ -264,19 +274,20 @@ class _Checker:
         offsets = sh.get("offsets")
         if offsets is not None:
             self.offsets(where, offsets, n, size, every)
-        blocks = sh.get("block_sha256")
-        if blocks is not None:
-            ok = isinstance(blocks, list) and all(_is_sha256(b) for b in blocks)
-            if not ok:
-                raise self.error(
-                    where, f"key 'block_sha256' is {_show(blocks)}, not a list of {hex64}"
-                )
-            if offsets is None or len(blocks) != len(offsets):
-                raise self.error(
-                    where,
-                    f"key 'block_sha256' has {len(blocks)} entries, one per offset needs "
-                    f"{len(offsets or [])}",
-                )
+        blocks = self.get(
+            sh,
+            "block_sha256",
+            where,
+            lambda v: v is None or isinstance(v, list) and all(_is_sha256(b) for b in v),
+            f"a list of {hex64}",
+            None,
+        )
+        if blocks is not None and (offsets is None or len(blocks) != len(offsets)):
+            raise self.error(
+                where,
+                f"key 'block_sha256' has {len(blocks)} entries, one per offset needs "
+                f"{len(offsets or [])}",
+            )
         return ShardInfo(name, n, size, sha, offsets, blocks)
 
     def offsets(self, where: str, offsets: object, n: int, size: int, every: int | None) -> None:
@@ -395,41 +406,42 @@ def _from_json(raw: dict, path: str) -> Manifest:
     shards_root = raw.get("shards_root")
     if shards_root is not None:
         _check_shards_root(check, shards_root)
-    every = raw.get("index_every")
-    if every is not None and not _is_int(every, 1):
-        raise check.error("", f"key 'index_every' is {_show(every)}, not an integer >= 1 or null")
+    every = check.get(
+        raw,
+        "index_every",
+        "",
+        lambda v: v is None or _is_int(v, 1),
+        "an integer >= 1 or null",
+        None,
+    )
     splits = check.splits(raw, every)
     channels = check.get(raw, "channels", "", lambda v: _is_int(v, 1) and v in (1, 3), "1 or 3")
     numbers = f"a list of {channels} finite numbers (one per channel)"
     mean = check.get(raw, "mean", "", lambda v: _numbers(v, channels), numbers)
     std = check.get(raw, "std", "", lambda v: _numbers(v, channels), numbers)
-    class_names = raw.get("class_names")
-    if class_names is not None and not (
-        isinstance(class_names, list) and all(isinstance(c, str) for c in class_names)
-    ):
-        raise check.error(
-            "", f"key 'class_names' is {_show(class_names)}, not a list of strings or null"
-        )
-    image_size = raw.get("image_size")
-    if image_size is not None and not (
-        isinstance(image_size, list)
-        and len(image_size) == 2
-        and all(_is_int(v, 1) for v in image_size)
-    ):
-        raise check.error(
-            "",
-            f"key 'image_size' is {_show(image_size)}, not [height, width] in positive "
-            "integers or null",
-        )
-    stats_split = raw.get("stats_split")
-    if stats_split is not None and not isinstance(stats_split, str):
-        raise check.error("", f"key 'stats_split' is {_show(stats_split)}, not a string or null")
-    num_skipped = raw.get("num_skipped", 0)
-    if not _is_int(num_skipped, 0):
-        raise check.error("", f"key 'num_skipped' is {_show(num_skipped)}, not an integer >= 0")
-    created_by = raw.get("created_by", {})
-    if not isinstance(created_by, dict):
-        raise check.error("", f"key 'created_by' is {_show(created_by)}, not an object")
+    class_names = check.get(
+        raw,
+        "class_names",
+        "",
+        lambda v: v is None or isinstance(v, list) and all(isinstance(c, str) for c in v),
+        "a list of strings or null",
+        None,
+    )
+    image_size = check.get(
+        raw,
+        "image_size",
+        "",
+        lambda v: (
+            v is None or isinstance(v, list) and len(v) == 2 and all(_is_int(x, 1) for x in v)
+        ),
+        "[height, width] in positive integers or null",
+        None,
+    )
+    stats_split = check.get(
+        raw, "stats_split", "", lambda v: v is None or isinstance(v, str), "a string or null", None
+    )
+    num_skipped = check.get(raw, "num_skipped", "", lambda v: _is_int(v, 0), "an integer >= 0", 0)
+    created_by = check.get(raw, "created_by", "", lambda v: isinstance(v, dict), "an object", {})
     return Manifest(
         splits=splits,
         class_names=class_names,
@@ -475,11 +487,14 @@ def _layout(check: _Checker, raw: object) -> SampleLayout:
         lambda v: isinstance(v, list) and v and all(is_field(k) for k in v),
         "a non-empty list of field names (lower case)",
     )
-    label = sample.get("label", "cls")
-    if not (label is None or is_label_field(label)):
-        raise check.error(
-            "sample ", f"key 'label' is {_show(label)}, not a field name, 'json:KEY' or null"
-        )
+    label = check.get(
+        sample,
+        "label",
+        "sample ",
+        lambda v: v is None or is_label_field(v),
+        "a field name, 'json:KEY' or null",
+        "cls",
+    )
     return SampleLayout(tuple(keys), label)
 
 

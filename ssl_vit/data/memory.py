@@ -1,52 +1,37 @@
 """Training batches from a split decoded once into RAM (`data.in_memory`), for splits that fit.
 
 `resolve_in_memory` decides (`auto`: images of one size, at most MEMORY_BUDGET decoded bytes per
-rank); `load_training_samples` decodes the split's training samples into one uint8 tensor with
-the streaming eval reader; `MemoryTrainLoader` batches it by an index gather and the streaming
-loader's crop, shift and flip, drawn for the whole global batch and applied to the batch at
-once, on the host or (`device`) on the GPU. It keeps the streaming TrainLoader's contract
-(docs/streaming.md#the-loaders-contract): the same steps per epoch on every rank, no held-out
-sample, and `set_epoch(e, k)` yields exactly batches k.. of epoch e.
+rank); ssl_vit.data.stream's `load_training_samples` decodes the split's training samples into
+one uint8 tensor with the streaming eval reader; `MemoryTrainLoader` batches it by an index
+gather and the streaming loader's crop, shift and flip, drawn for the whole global batch and
+applied to the batch at once, on the host or (`device`) on the GPU. It keeps the streaming
+TrainLoader's contract (docs/streaming.md#the-loaders-contract): the same steps per epoch on
+every rank, no held-out sample, and `set_epoch(e, k)` yields exactly batches k.. of epoch e.
 
 Why, and how its batches compare with streamed ones: docs/training.md#small-datasets-in-ram.
 """
 
 from __future__ import annotations
 
-import logging
-import multiprocessing as mp
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 from .augment import crop_params, crop_resize_batch, mix_seed, shift_params
-from .datasets import EvalStream
-from .holdout import excluded_indices
 from .manifest import Manifest
-from .shards import ReadCounter, ShardRef
-from .workers import IN_PROCESS_SAMPLES
+from .shards import ReadCounter
 
-log = logging.getLogger("ssl_vit.data")
 MEMORY_BUDGET = 2 << 30  # bytes of decoded images per rank that `auto` holds in RAM
-
-
-def decoded_bytes(manifest: Manifest, split: str) -> int | None:
-    """Bytes of the split decoded to uint8, or None when its images differ in size."""
-    if manifest.image_size is None:
-        return None
-    h, w = manifest.image_size
-    return manifest.split(split).num_samples * manifest.channels * h * w
 
 
 def resolve_in_memory(setting: Any, manifest: Manifest, split: str) -> tuple[bool, str]:
     """(hold the split in RAM?, why) for `data.in_memory` = true, false or auto."""
-    size = decoded_bytes(manifest, split)
+    # bytes of the split decoded to uint8, or None when its images differ in size
+    h, w = manifest.image_size or (0, 0)
+    size = manifest.split(split).num_samples * manifest.channels * h * w if h else None
     if setting is False:
         return False, "data.in_memory=false"
     if size is None:
@@ -62,56 +47,6 @@ def resolve_in_memory(setting: Any, manifest: Manifest, split: str) -> tuple[boo
     if size > MEMORY_BUDGET:
         return False, f"{mb}, above the {MEMORY_BUDGET >> 20} MB budget"
     return True, f"auto: {mb}"
-
-
-def _decode_split(
-    manifest: Manifest,
-    split: str,
-    shards: list[ShardRef],
-    workers: int,
-    counter: ReadCounter,
-    ctx: mp.context.BaseContext,
-    missing: str = "error",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(images (N, C, H, W) uint8, labels (N,), manifest indices (N,)) of every readable
-    sample of `shards`."""
-    n = sum(r.num_samples for r in shards)
-    h, w = manifest.image_size  # type: ignore[misc]
-    stream = EvalStream(
-        shards,
-        channels=manifest.channels,
-        labelled=manifest.class_names is not None,
-        num_classes=manifest.num_classes,
-        layout=manifest.layout,
-        lo=0,
-        hi=n,
-        batch=1024,
-        img_size=None,  # as decoded: the crops are drawn on the whole image, as when streamed
-        with_keys=False,
-        counter=counter,
-        subset=None,
-        with_indices=True,
-        missing=missing,  # a shard that fails its checks: stop, or skip it counted
-    )
-    images = torch.empty((n, manifest.channels, h, w), dtype=torch.uint8)
-    labels = torch.empty(n, dtype=torch.int64)
-    index = torch.empty(n, dtype=torch.int64)
-    got = 0
-    for imgs, labs, idx in DataLoader(
-        stream,
-        batch_size=None,
-        num_workers=workers,
-        multiprocessing_context=ctx if workers > 0 else None,
-    ):
-        if imgs.shape[0] and imgs.shape[2:] != (h, w):
-            raise ValueError(
-                f"{manifest.root}: a {split} image is {tuple(imgs.shape[2:])}, not the "
-                f"manifest's image_size {h}x{w}; rebuild the manifest or set data.in_memory=false"
-            )
-        k = imgs.shape[0]
-        images[got : got + k], labels[got : got + k], index[got : got + k] = imgs, labs, idx
-        got += k
-    return images[:got], labels[:got], index[:got]
 
 
 class LoaderCounts:
@@ -226,42 +161,3 @@ def _centre_resize(images: torch.Tensor, size: int, square: bool = True) -> torc
     side = min(h, w)
     box = ((h - side) // 2, (w - side) // 2, side, side) if square else (0, 0, h, w)
     return crop_resize_batch(images, [box] * len(images), size)
-
-
-def load_training_samples(
-    manifest: Manifest,
-    split: str,
-    shards: list[ShardRef],
-    num_workers: int,
-    holdout_fraction: float,
-    counter: ReadCounter,
-    ctx: mp.context.BaseContext,
-    train_fraction: float = 1.0,
-    missing: str = "error",
-    subset: np.ndarray | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(images (N, C, H, W) uint8, labels (N,)) of the split's readable samples that training
-    uses (not held out, inside `train_fraction` or `subset`: ssl_vit.data.holdout),
-    decoded by `num_workers` workers started from `ctx`; make_train_loader(in_memory=True)
-    batches them."""
-    resolve_in_memory(True, manifest, split)  # one size of image, or a one-line error
-    start = time.perf_counter()
-    total = sum(r.num_samples for r in shards)
-    workers = num_workers if total > IN_PROCESS_SAMPLES else 0  # ssl_vit.data.workers
-    images, labels, index = _decode_split(manifest, split, shards, workers, counter, ctx, missing)
-    # The held-out hash ranges over the shards present, as the streaming loaders number them.
-    unused = excluded_indices(total, holdout_fraction, train_fraction, subset)
-    keep = ~torch.isin(index, torch.from_numpy(unused))
-    images, labels = images[keep].contiguous(), labels[keep].contiguous()
-    secs = time.perf_counter() - start
-    log.info(
-        "%s: %d %s images decoded into RAM (%.0f MB) in %.1f s, %.0f images/s; %d skipped",
-        manifest.root,
-        len(images),
-        split,
-        images.numel() / 2**20,
-        secs,
-        len(index) / max(secs, 1e-9),
-        counter.samples,
-    )
-    return images, labels

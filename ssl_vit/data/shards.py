@@ -153,18 +153,16 @@ def select_shards(
     for info, url in zip(infos, urls, strict=True):
         if url in gone:
             continue
-        index = tuple(info.offsets or ()) if manifest.index_every else ()
-        digests = tuple(info.block_sha256 or ()) if checked else ()
         refs.append(
             ShardRef(
                 url,
                 info.num_samples,
                 offset,
-                index,
-                manifest.index_every or 0,
-                info.bytes,
-                digests,
-                verify == "all",
+                offsets=tuple(info.offsets or ()) if manifest.index_every else (),
+                every=manifest.index_every or 0,
+                size=info.bytes,
+                digests=tuple(info.block_sha256 or ()) if checked else (),
+                verify_all=verify == "all",
             )
         )
         offset += info.num_samples
@@ -182,33 +180,6 @@ def _warn_once(msg: str) -> None:
         log.warning("%s", msg)
 
 
-class _Counting:
-    """A file's reads, counted in bytes (what a reader really pulled from the source): the
-    reader of a shard without block checksums, where nothing is checked or held back."""
-
-    unverified: frozenset[int] = frozenset()
-
-    def __init__(self, f) -> None:
-        self.f, self.bytes = f, 0
-
-    def closed_before(self, block: int) -> bool:
-        return True
-
-    def finish_block(self) -> None:
-        pass
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.bytes += len(data)
-        return data
-
-    def seekable(self) -> bool:
-        return self.f.seekable() if hasattr(self.f, "seekable") else False
-
-    def seek(self, n: int, whence: int = 0) -> int:
-        return self.f.seek(n, whence)
-
-
 def read_shard(
     ref: ShardRef,
     counter: ReadCounter,
@@ -222,7 +193,6 @@ def read_shard(
     """Samples start..stop-1 (positions in the shard) whose manifest index passes `keep`, in
     order, tagged with `__index__`; the others are passed over unread. Retries (`retry`: None =
     Retry()) and what `missing` does with a shard that cannot be read: docs/streaming.md.
-
     With block checksums (`ref.digests`) a sample leaves only once its block has been checked
     (ssl_vit.data.blocks): the reader reads whole blocks, so a piece that starts or stops
     inside one reads up to a block more. Bytes that disagree with the manifest, and an indexed
@@ -240,14 +210,16 @@ def read_shard(
 
     while nxt < stop:
         error, before = None, nxt
-        first, byte = _entry(ref, nxt)
-        src: BlockReader | _Counting | None = None
+        first, byte = entry(ref, nxt)
+        src: BlockReader | None = None
         pending: list[tuple[int, dict | None]] = []  # read, their block not checked yet
         seen = first  # positions read from this open
         try:
             counter.reading(f"{ref.url} from byte {byte}")
             raw, at = open_url(ref.url, byte, retry=retry)
-            src = _source(ref, raw, at)
+            src = BlockReader(
+                raw, ref.url, at, ref.offsets, ref.size, ref.digests, seekable=not ref.verify_all
+            )
             with raw:
                 if at < byte:  # a pipe starts at 0
                     _drop(src, byte - at, ref.url)
@@ -310,29 +282,13 @@ def read_shard(
     _stopped_short(ref, counter, error, start, nxt, stop, keep, retry, missing)
 
 
-def _entry(ref: ShardRef, nxt: int) -> tuple[int, int]:
+def entry(ref: ShardRef, nxt: int) -> tuple[int, int]:
     """Where a read that must reach sample `nxt` opens the shard: (position, byte) of the
     last indexed sample at or before it, or the shard's start without an index."""
     anchor = min(nxt // ref.every, len(ref.offsets) - 1) if ref.every and ref.offsets else -1
     first = anchor * ref.every if anchor >= 0 else 0
     byte = ref.offsets[anchor] if anchor >= 0 else 0
     return first, byte
-
-
-def _source(ref: ShardRef, raw: Any, at: int) -> BlockReader | _Counting:
-    """What the samples are read through: with block checksums a `BlockReader` that checks
-    each block and holds its samples back until then, else a byte count of the raw file."""
-    if not ref.digests:
-        return _Counting(raw)
-    return BlockReader(
-        raw,
-        ref.url,
-        at,
-        ref.offsets,
-        ref.size,
-        ref.digests,
-        seekable=not ref.verify_all,
-    )
 
 
 def _stopped_short(

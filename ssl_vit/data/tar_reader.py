@@ -234,15 +234,21 @@ def sample_key(name: str) -> tuple[str, str] | None:
 
 
 def read_samples(
-    f, path: str | Path, pos: int = 0, skip: Callable[[int], bool] | None = None
+    f,
+    path: str | Path,
+    pos: int = 0,
+    skip: Callable[[int], bool] | None = None,
+    partial: bool = False,
 ) -> Iterator[tuple[int, dict | None]]:
     """(byte offset, sample) of each sample of the tar stream `f` (at byte `pos`), as
     webdataset makes them: {"__key__", "__url__", ext: bytes}. `skip(i)` true for the i-th
-    sample of the stream (0-based) passes over it unread: its sample is None.
+    sample of the stream (0-based) passes over it unread: its sample is None. A sample without
+    members (a name with no extension) is None too.
 
     Raises TarFormatError where the stream stops being a readable tar, after yielding the
     samples before the one it was reading (whose start offset is the last offset yielded plus
-    that sample: callers that retry start again there)."""
+    that sample: callers that retry start again there); with `partial`, that sample too, as
+    far as it was read (it may lack a member), as webdataset does."""
     sample: dict | None = None
     start, i = pos, -1
     state = {"skipping": False}
@@ -254,28 +260,34 @@ def read_samples(
             state["skipping"] = skip is not None and skip(i + 1)
         return not state["skipping"]
 
-    for name, data, at in iter_members(f, path, pos, wanted if skip is not None else None):
-        parsed = sample_key(name)
-        if parsed is None:  # no extension: not part of a sample
-            continue
-        key, ext = parsed
-        if sample is None or key != sample["__key__"]:
-            if sample is not None:
-                yield start, (None if sample.get("__skipped__") else _done(sample))
-            sample, start, i = {"__key__": key, "__url__": str(path)}, at, i + 1
+    try:
+        for name, data, at in iter_members(f, path, pos, wanted if skip is not None else None):
+            parsed = sample_key(name)
+            if parsed is None:  # no extension: not part of a sample
+                continue
+            key, ext = parsed
+            if sample is None or key != sample["__key__"]:
+                if sample is not None:
+                    yield start, _done(sample)
+                sample, start, i = {"__key__": key, "__url__": str(path)}, at, i + 1
+                if data is None:
+                    sample["__skipped__"] = True
             if data is None:
-                sample["__skipped__"] = True
-        if data is None:
-            continue
-        if ext in sample:
-            raise TarFormatError(f"{path}: {name} appears twice in one sample")
-        sample[ext] = data
+                continue
+            if ext in sample:
+                raise TarFormatError(f"{path}: {name} appears twice in one sample")
+            sample[ext] = data
+    except TarFormatError:
+        if partial and sample is not None and _done(sample) is not None:
+            yield start, sample
+        raise
     if sample is not None:
-        yield start, (None if sample.get("__skipped__") else _done(sample))
+        yield start, _done(sample)
 
 
 def _done(sample: dict) -> dict | None:
-    return sample if len(sample) > 2 else None
+    """The sample, or None when it was passed over or has no member."""
+    return None if "__skipped__" in sample or len(sample) <= 2 else sample
 
 
 def sample_offsets(f, every: int, path: str | Path = "<tar>") -> list[int]:
@@ -295,24 +307,5 @@ def iter_samples(path: str | Path) -> Iterator[dict]:
 
     Raises TarFormatError where the file stops being a readable tar, after yielding the sample
     read so far (it may lack a member; decoding it says so), as webdataset does."""
-    sample: dict | None = None
-    try:
-        with open(path, "rb", buffering=1 << 20) as f:
-            for name, data, _ in iter_members(f, path):
-                parsed = sample_key(name)
-                if parsed is None:  # no extension: not part of a sample
-                    continue
-                key, ext = parsed
-                if sample is None or key != sample["__key__"]:
-                    if sample is not None and len(sample) > 2:
-                        yield sample
-                    sample = {"__key__": key, "__url__": str(path)}
-                if ext in sample:
-                    raise TarFormatError(f"{path}: {name} appears twice in one sample")
-                sample[ext] = data
-    except TarFormatError:
-        if sample is not None and len(sample) > 2:
-            yield sample
-        raise
-    if sample is not None and len(sample) > 2:
-        yield sample
+    with open(path, "rb", buffering=1 << 20) as f:
+        yield from (s for _, s in read_samples(f, path, partial=True) if s is not None)

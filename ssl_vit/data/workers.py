@@ -31,7 +31,7 @@ def worker_context(name: str | None, workers: int = 0) -> mp.context.BaseContext
     `workers` > 0 is started now, deaf to JOB_SIGNALS (the module doc)."""
     ctx = mp.get_context(name)
     if name == "forkserver":  # __main__ first: a worker that finds it imported skips doing so
-        ctx.set_forkserver_preload(["__main__", "ssl_vit.data.datasets"])
+        ctx.set_forkserver_preload(["__main__", "ssl_vit.data.stream"])
         # A blocked signal stays blocked across fork and exec: both helpers inherit the mask
         # this thread has while it starts them (each starts once per process; later calls
         # find them running). The tracker unblocks SIGINT and SIGTERM here after starting

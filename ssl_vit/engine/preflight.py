@@ -154,7 +154,7 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int, shards: list[Sh
     Returns the factor (1.0 for a split held in RAM or resampled epochs)."""
     from ssl_vit.data.holdout import excluded_indices  # imported late: numpy, torch
     from ssl_vit.data.memory import resolve_in_memory
-    from ssl_vit.data.stream_plan import (
+    from ssl_vit.data.stream import (
         MAX_READ_FACTOR,
         Exclusions,
         exact_pieces,
