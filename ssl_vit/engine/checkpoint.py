@@ -335,10 +335,8 @@ def find(ckpt_dir: Path, rank: int) -> tuple[str, dict] | None:
     problems = plan.problems
     damaged = []
     for chosen in plan.candidates:
-        if chosen.problem is None and chosen.manifest is not None:
-            chosen.problem = _hash_problem(
-                ckpt_dir / chosen.tag, chosen.manifest, rank
-            )  # all ranks
+        if chosen.problem is None and chosen.manifest is not None:  # every rank hashes
+            chosen.problem = _hash_problem(ckpt_dir / chosen.tag, chosen.manifest, rank)
         if chosen.problem is None:
             break
         problems.append(f"{ckpt_dir / chosen.tag}: {chosen.problem}")
@@ -398,9 +396,9 @@ def bytes_needed(ckpt_dir: Path, engine: Any) -> tuple[int, str]:
 
 
 def _doomed(ckpt_dir: Path, tag: str, keep: int) -> list[Path]:
-    """The checkpoints `_prune` would delete once `tag` is saved, less the newest one and the
-    one `latest` names: these may go before the save, which never leaves the run without an
-    intact checkpoint if it fails."""
+    """The checkpoints pruning (in `_finish`) would delete once `tag` is saved, less the newest
+    one and the one `latest` names: these may go before the save, which never leaves the run
+    without an intact checkpoint if it fails."""
     folders = [p for p in _checkpoints(ckpt_dir) if p.name != tag]
     after = sorted([*(p.name for p in folders), tag], key=lambda t: _step_of(t) or 0)
     pruned = set(after[: max(0, len(after) - keep)])

@@ -230,7 +230,7 @@ def _claim_run_dir(cfg: Config, run_dir: Path, rank: int, header: str) -> dict |
     # makes the run directory (RUN/launches/ with its parents) and writes config.yaml too
     this_launch = launches.begin(run_dir, cfg, header) if rank == 0 else None
     barrier()
-    checkpoint.check_shared(run_dir, rank)
+    checkpoint.check_shared(run_dir / "config.yaml", rank)
     checkpoint.latest_tag(run_dir / "checkpoints")  # a broken pointer fails now, before setup
     return this_launch
 
