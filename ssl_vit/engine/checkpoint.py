@@ -67,7 +67,7 @@ def _checkpoints(ckpt_dir: Path) -> list[Path]:
     oldest first by step."""
     if not ckpt_dir.is_dir():
         return []
-    found = [p for p in ckpt_dir.iterdir() if _step_of(p.name) is not None and p.is_dir()]
+    found = (p for p in ckpt_dir.iterdir() if _step_of(p.name) is not None and p.is_dir())
     return sorted(found, key=lambda p: _step_of(p.name) or 0)
 
 
@@ -84,12 +84,9 @@ def _folder_bytes(folder: Path, universal: bool = True) -> int:
     copy a conversion adds (not part of what a save writes)."""
     total = 0
     for p in folder.rglob("*"):
-        rel = p.relative_to(folder).parts
-        if not universal and rel[0].startswith(UNIVERSAL):
-            continue
-        with contextlib.suppress(OSError):  # a file vanishing under us counts as nothing
-            if p.is_file():
-                total += p.stat().st_size
+        if universal or not p.relative_to(folder).parts[0].startswith(UNIVERSAL):
+            with contextlib.suppress(OSError):  # a file vanishing under us counts as nothing
+                total += p.stat().st_size if p.is_file() else 0
     return total
 
 
@@ -99,10 +96,6 @@ def _first_line(e: BaseException) -> str:
 
 
 # -- checksums -----------------------------------------------------------------------------
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 _RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")  # DeepSpeed's name of rank r's partition
@@ -130,17 +123,15 @@ def _hash_files(folder: Path, files: dict[str, int], rank: int) -> dict[str, str
     """sha256 of each of `files` (relative path -> bytes) under `folder`, each read by one rank
     (`_assign`), on every rank (a collective: every rank passes the same `files`). A file that
     cannot be read maps to "unreadable (why)" instead of a digest."""
-    share = [n for n, r in _assign(files, _world_size()).items() if r == rank]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    share = [n for n, r in _assign(files, world).items() if r == rank]
     mine = {}
     for name in sorted(share):
         try:
             mine[name] = sha256_file(folder / name)  # 1 MiB reads: streams any size
         except OSError as e:
             mine[name] = f"unreadable ({e.strerror or e})"
-    out: dict[str, str] = {}
-    for part in all_gather_object(mine):
-        out.update(part)
-    return out
+    return {name: digest for part in all_gather_object(mine) for name, digest in part.items()}
 
 
 def _list_files(folder: Path) -> dict[str, int]:
@@ -160,25 +151,22 @@ def _manifest_problem(folder: Path, manifest: dict[str, dict]) -> str | None:
             size = (folder / name).stat().st_size
         except FileNotFoundError:
             wrong.append(f"{name} is missing")
-            continue
         except OSError as e:
             wrong.append(f"{name} cannot be read ({e.strerror or e})")
-            continue
-        if size != entry["bytes"]:
-            wrong.append(f"{name} has {size} bytes, {CHECKSUMS_NAME} says {entry['bytes']}")
+        else:
+            if size != entry["bytes"]:
+                wrong.append(f"{name} has {size} bytes, {CHECKSUMS_NAME} says {entry['bytes']}")
     return _summary(wrong)
 
 
 def _summary(wrong: list[str]) -> str | None:
-    if not wrong:
-        return None
-    return wrong[0] + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+    more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+    return wrong[0] + more if wrong else None
 
 
 def _hash_problem(folder: Path, manifest: dict[str, dict], rank: int) -> str | None:
     """What the sha256 of `folder`'s files says is wrong, or None (a collective)."""
-    sizes = {name: entry["bytes"] for name, entry in manifest.items()}
-    digests = _hash_files(folder, sizes, rank)
+    digests = _hash_files(folder, {name: entry["bytes"] for name, entry in manifest.items()}, rank)
     wrong = []
     for name, entry in sorted(manifest.items()):
         got = digests[name]
@@ -204,52 +192,46 @@ class _Candidate:
 
 @dataclass
 class _Survey:
-    pointer_problem: str | None  # what is wrong with `latest` (None: it names candidates[0])
+    problems: list[str]  # what is wrong with `latest` (none: it names candidates[0])
     candidates: list[_Candidate]  # in the order to try: `latest`'s, then newest first
 
 
 def _inspect(folder: Path) -> _Candidate:
     """The cheap checks of one checkpoint folder: trainer_state.json parses and names the
     folder's step, checksums.json parses, and every file it lists is there at its size."""
-    c = _Candidate(folder.name)
+    tag = folder.name
     try:
         state = json.loads((folder / STATE_NAME).read_text())
     except FileNotFoundError:
-        c.problem = f"{STATE_NAME} is missing" if folder.is_dir() else "the folder is gone"
-        return c
+        return _Candidate(
+            tag, f"{STATE_NAME} is missing" if folder.is_dir() else "the folder is gone"
+        )
     except OSError as e:
-        c.problem = f"{STATE_NAME} cannot be read ({e.strerror or e})"
-        return c
+        return _Candidate(tag, f"{STATE_NAME} cannot be read ({e.strerror or e})")
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        c.problem = f"{STATE_NAME} is not valid JSON ({e})"
-        return c
-    if not isinstance(state, dict) or state.get("step") != _step_of(folder.name):
+        return _Candidate(tag, f"{STATE_NAME} is not valid JSON ({e})")
+    if not isinstance(state, dict) or state.get("step") != _step_of(tag):
         step = state.get("step") if isinstance(state, dict) else None
-        c.problem = f"{STATE_NAME} names step {step}, not {_step_of(folder.name)}"
-        return c
-    c.state = state
+        return _Candidate(tag, f"{STATE_NAME} names step {step}, not {_step_of(tag)}")
     try:
         body = json.loads((folder / CHECKSUMS_NAME).read_text())
-    except FileNotFoundError:
-        return c  # saved before checksums.json existed: checked by loading it only
+    except FileNotFoundError:  # saved before checksums.json existed: checked by loading it only
+        return _Candidate(tag, state=state)
     except (OSError, ValueError) as e:
-        c.problem = f"{CHECKSUMS_NAME} cannot be read ({e})"
-        return c
+        return _Candidate(tag, f"{CHECKSUMS_NAME} cannot be read ({e})", state=state)
     files = body.get("files") if isinstance(body, dict) else None
     if not isinstance(files, dict) or not all(_entry_ok(n, v) for n, v in files.items()):
-        c.problem = f"{CHECKSUMS_NAME} is not a list of this folder's files with bytes and sha256"
-        return c
-    c.manifest = files
-    c.problem = _manifest_problem(folder, files)
-    return c
+        bad = f"{CHECKSUMS_NAME} is not a list of this folder's files with bytes and sha256"
+        return _Candidate(tag, bad, state=state)
+    return _Candidate(tag, _manifest_problem(folder, files), files, state)
 
 
 def _entry_ok(name: str, entry: object) -> bool:
     """A checksums.json entry as `save` writes it: a path inside the folder (nothing outside it
     is ever read), its size and sha256."""
-    inside = not Path(name).is_absolute() and ".." not in Path(name).parts
     return (
-        inside
+        not Path(name).is_absolute()
+        and ".." not in Path(name).parts
         and isinstance(entry, dict)
         and isinstance(entry.get("bytes"), int)
         and isinstance(entry.get("sha256"), str)
@@ -258,27 +240,24 @@ def _entry_ok(name: str, entry: object) -> bool:
 
 def _survey(ckpt_dir: Path) -> _Survey | None:
     """What is there to resume, without reading the large files; None for a fresh run."""
-    pointer = ckpt_dir / "latest"
-    folders = _checkpoints(ckpt_dir)
+    pointer, folders = ckpt_dir / "latest", _checkpoints(ckpt_dir)
     named: str | None = None
     problem: str | None = None
     try:
         named = pointer.read_text().strip()
     except FileNotFoundError:
-        pass
-    except (OSError, ValueError) as e:  # ValueError: bytes that are not UTF-8
-        problem = f"{pointer} cannot be read ({e})"
-    if named is None and problem is None:
         if not folders:
             return None  # a fresh run
         problem = f"{pointer} is missing"
-    first = ckpt_dir / named if named else None
-    if named is not None and (_step_of(named) is None or not first or not first.is_dir()):
-        what = "does not exist" if _step_of(named) is not None else "is not a checkpoint tag"
+    except (OSError, ValueError) as e:  # ValueError: bytes that are not UTF-8
+        problem = f"{pointer} cannot be read ({e})"
+    first = ckpt_dir / named if named and _step_of(named) is not None else None
+    if named is not None and not (first and first.is_dir()):
+        what = "does not exist" if first else "is not a checkpoint tag"
         problem = f"{pointer} names {named!r}, which {what}"
         first = None
     order = ([first] if first else []) + [p for p in reversed(folders) if p != first]
-    return _Survey(problem, [_inspect(p) for p in order])
+    return _Survey([problem] if problem else [], [_inspect(p) for p in order])
 
 
 def _none_intact(ckpt_dir: Path, problems: list[str]) -> CheckpointError:
@@ -299,9 +278,8 @@ def latest_tag(ckpt_dir: Path) -> str | None:
     for c in survey.candidates:
         if c.problem is None:
             return c.tag
-    said = [survey.pointer_problem] if survey.pointer_problem else []
     raise _none_intact(
-        ckpt_dir, said + [f"{ckpt_dir / c.tag}: {c.problem}" for c in survey.candidates]
+        ckpt_dir, survey.problems + [f"{ckpt_dir / c.tag}: {c.problem}" for c in survey.candidates]
     )
 
 
@@ -345,8 +323,7 @@ def find(ckpt_dir: Path, rank: int) -> tuple[str, dict] | None:
     plan: _Survey | str | None = None
     if rank == 0:
         try:
-            if ckpt_dir.is_dir():
-                _remove_leftovers(ckpt_dir, damaged=False)  # e.g. a save that ran out of space
+            _remove_leftovers(ckpt_dir, damaged=False)  # e.g. a save that ran out of space
             plan = _survey(ckpt_dir)
         except OSError as e:
             plan = f"{ckpt_dir}: cannot be read ({e}); check the run directory's file system"
@@ -355,17 +332,16 @@ def find(ckpt_dir: Path, rank: int) -> tuple[str, dict] | None:
         raise CheckpointError(plan)
     if plan is None:
         return None
-    problems = [plan.pointer_problem] if plan.pointer_problem else []
-    chosen, damaged = None, []
-    for c in plan.candidates:
-        if c.problem is None and c.manifest is not None:
-            c.problem = _hash_problem(ckpt_dir / c.tag, c.manifest, rank)  # every rank
-        if c.problem is None:
-            chosen = c
+    problems = plan.problems
+    damaged = []
+    for chosen in plan.candidates:
+        if chosen.problem is None and chosen.manifest is not None:  # every rank hashes
+            chosen.problem = _hash_problem(ckpt_dir / chosen.tag, chosen.manifest, rank)
+        if chosen.problem is None:
             break
-        problems.append(f"{ckpt_dir / c.tag}: {c.problem}")
-        damaged.append(c.tag)
-    if chosen is None:
+        problems.append(f"{ckpt_dir / chosen.tag}: {chosen.problem}")
+        damaged.append(chosen.tag)
+    else:  # none passed
         raise _none_intact(ckpt_dir, problems)
     where = ckpt_dir / chosen.tag
     if rank == 0:
@@ -383,12 +359,7 @@ def find(ckpt_dir: Path, rank: int) -> tuple[str, dict] | None:
                 "%s has no %s (saved by an older ssl-vit): it is checked only by loading it",
                 where, CHECKSUMS_NAME,
             )  # fmt: skip
-    missing = _unreachable(where / STATE_NAME, rank)
-    if missing:
-        raise CheckpointError(
-            f"{where}: {missing} cannot read this checkpoint; put run.dir on storage "
-            "that every node shares"
-        )
+    check_shared(where / STATE_NAME, rank, "cannot read this checkpoint")
     return chosen.tag, chosen.state
 
 
@@ -418,20 +389,20 @@ def bytes_needed(ckpt_dir: Path, engine: Any) -> tuple[int, str]:
         if size:
             return int(size * SPACE_MARGIN), f"the size of {folders[-1].name}"
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
-    need = int(params * BYTES_PER_PARAMETER * SPACE_MARGIN)
-    return need, f"{params} parameters x {BYTES_PER_PARAMETER} bytes"
+    return (
+        int(params * BYTES_PER_PARAMETER * SPACE_MARGIN),
+        f"{params} parameters x {BYTES_PER_PARAMETER} bytes",
+    )
 
 
 def _doomed(ckpt_dir: Path, tag: str, keep: int) -> list[Path]:
-    """The checkpoints `_prune` would delete once `tag` is saved, less the newest one and the
-    one `latest` names: these may go before the save, which never leaves the run without an
-    intact checkpoint if it fails."""
+    """The checkpoints pruning (in `_finish`) would delete once `tag` is saved, less the newest
+    one and the one `latest` names: these may go before the save, which never leaves the run
+    without an intact checkpoint if it fails."""
     folders = [p for p in _checkpoints(ckpt_dir) if p.name != tag]
-    if not folders:
-        return []
     after = sorted([*(p.name for p in folders), tag], key=lambda t: _step_of(t) or 0)
     pruned = set(after[: max(0, len(after) - keep)])
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ValueError):
         pruned.discard((ckpt_dir / "latest").read_text().strip())
     return [p for p in folders[:-1] if p.name in pruned]
 
@@ -444,8 +415,7 @@ def make_room(ckpt_dir: Path, tag: str, keep: int, need: int, basis: str) -> Non
     if free >= need:
         return
     doomed = _doomed(ckpt_dir, tag, keep)
-    gain = sum(_folder_bytes(p) for p in doomed)
-    if doomed and free + gain >= need:
+    if doomed and free + sum(_folder_bytes(p) for p in doomed) >= need:
         log.info(
             "%s: %s free, about %s needed for %s: deleting %s before the save rather than after "
             "(run.keep_checkpoints=%d)",
@@ -454,11 +424,12 @@ def make_room(ckpt_dir: Path, tag: str, keep: int, need: int, basis: str) -> Non
         for p in doomed:
             shutil.rmtree(p, ignore_errors=True)
         return
-    lower = ""
-    for k in range(keep - 1, 0, -1):  # the largest keep that would make the room
-        if free + sum(_folder_bytes(p) for p in _doomed(ckpt_dir, tag, k)) >= need:
-            lower = f", or lower run.keep_checkpoints to {k}"
-            break
+    k = next(  # the largest keep that would make the room
+        (k for k in range(keep - 1, 0, -1)
+         if free + sum(_folder_bytes(p) for p in _doomed(ckpt_dir, tag, k)) >= need),
+        None,
+    )  # fmt: skip
+    lower = f", or lower run.keep_checkpoints to {k}" if k else ""
     raise CheckpointError(
         f"{ckpt_dir}: not enough free space for checkpoint {tag}: about {_size(need)} needed "
         f"({basis}), {_size(free)} free; free space on that file system{lower}, then relaunch "
@@ -535,11 +506,9 @@ def save(engine: Any, ckpt_dir: Path, step: int, state: dict, rank: int, keep: i
             files = _list_files(partial)
         except OSError as e:
             error = _write_failure(e, partial)
-    files, error = broadcast_object((files, error))  # type: ignore[misc]
-    if error:
-        if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(error)
+    files, error = broadcast_object((files, error))  # type: ignore[misc]
+    _check(error)
     digests = _hash_files(partial, files, rank)  # every rank reads its share back
     if rank == 0:
         error = _finish(ckpt_dir, partial, tag, files, digests, keep)
@@ -571,31 +540,24 @@ def _finish(
         line = _write_failure(e, partial)
         shutil.rmtree(partial, ignore_errors=True)
         return line
-    _prune(ckpt_dir, keep)
+    folders = _checkpoints(ckpt_dir)  # pruned to the newest `keep`
+    for old in folders[: max(0, len(folders) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
     return None
 
 
-def _prune(ckpt_dir: Path, keep: int) -> None:
-    folders = _checkpoints(ckpt_dir)
-    for old in folders[: max(0, len(folders) - keep)]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _unreachable(path: Path, rank: int) -> str:
-    """The ranks (with hosts) that cannot see `path`, as text; empty when every rank can."""
-    seen = all_gather_object((rank, socket.gethostname(), path.is_file()))
-    return ", ".join(f"rank {r} on {host}" for r, host, ok in seen if not ok)
-
-
-def check_shared(run_dir: Path, rank: int) -> None:
-    """Every rank sees the config rank 0 just wrote, or none starts (a collective).
+def check_shared(
+    path: Path, rank: int, what: str = "cannot see the run directory that rank 0 wrote"
+) -> None:
+    """Every rank sees the file `path` (by default RUN/config.yaml, which rank 0 just wrote), or
+    none goes on: a CheckpointError naming the ranks that do not (a collective).
 
     On node-local run directories each node would checkpoint and resume on its own."""
-    missing = _unreachable(run_dir / "config.yaml", rank)
+    seen = all_gather_object((rank, socket.gethostname(), path.is_file()))
+    missing = ", ".join(f"rank {r} on {host}" for r, host, ok in seen if not ok)
     if missing:
         raise CheckpointError(
-            f"{run_dir}: {missing} cannot see the run directory that rank 0 wrote; put run.dir "
-            "on storage that every node shares"
+            f"{path.parent}: {missing} {what}; put run.dir on storage that every node shares"
         )
 
 
@@ -608,15 +570,14 @@ def restore(engine: Any, ckpt_dir: Path, tag: str, universal: bool = False) -> N
     raises while loading becomes one line naming the checkpoint."""
     load_dir, load_tag = (ckpt_dir / tag, UNIVERSAL) if universal else (ckpt_dir, tag)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    if universal:
-        what_to_do = "delete that folder to convert again, or resume at the saved world size"
-    else:
-        what_to_do = (
-            f"rename it to {tag}{DAMAGED} to resume from the checkpoint before it, or delete "
-            f"{ckpt_dir} to train this run.dir from step 0"
-        )
+    what_to_do = (
+        "delete that folder to convert again, or resume at the saved world size"
+        if universal
+        else f"rename it to {tag}{DAMAGED} to resume from the checkpoint before it, or delete "
+        f"{ckpt_dir} to train this run.dir from step 0"
+    )
     try:
-        with _universal_load(engine, universal):
+        with _universal_load(engine) if universal else contextlib.nullcontext():
             path, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
     except (CheckpointError, torch.cuda.OutOfMemoryError):  # not the checkpoint's fault
         raise
@@ -656,16 +617,13 @@ def _repair_universal_load(optimizer: Any, groups: list[dict]) -> None:
 
 
 @contextlib.contextmanager
-def _universal_load(engine: Any, on: bool) -> Iterator[None]:
+def _universal_load(engine: Any) -> Iterator[None]:
     """DeepSpeed's `checkpoint.load_universal` switched on for one load.
 
     The engine reads that config key only inside `load_checkpoint` (through
     `engine.load_universal_checkpoint()`), and whether a launch needs it is known only once its
     checkpoint is found, after the engine is built: so it is set on the engine's parsed config
     for this load and put back after, rather than in the JSON config of every launch."""
-    if not on:
-        yield
-        return
     config = engine._config  # DeepSpeedConfig: what load_universal_checkpoint() reads
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
@@ -693,17 +651,13 @@ HEARTBEAT_LIMIT_ENV = "SSL_VIT_HEARTBEAT_LIMIT_S"
 def heartbeat_limit() -> float:
     """HEARTBEAT_LIMIT_S, or the number of seconds in $SSL_VIT_HEARTBEAT_LIMIT_S."""
     text = os.environ.get(HEARTBEAT_LIMIT_ENV, "").strip()
-    if not text:
-        return HEARTBEAT_LIMIT_S
-    try:
-        limit = float(text)
-    except ValueError:
-        limit = 0.0
-    if not limit > 0:
-        raise CheckpointError(
-            f"{HEARTBEAT_LIMIT_ENV}={text!r}: give a positive number of seconds, or unset it"
-        )
-    return limit
+    with contextlib.suppress(ValueError):  # not a number: the error below
+        limit = float(text or HEARTBEAT_LIMIT_S)
+        if limit > 0:
+            return limit
+    raise CheckpointError(
+        f"{HEARTBEAT_LIMIT_ENV}={text!r}: give a positive number of seconds, or unset it"
+    )
 
 
 @contextlib.contextmanager
@@ -711,14 +665,15 @@ def heartbeat(path: Path, every: float = HEARTBEAT_EVERY_S) -> Iterator[None]:
     """Rewrite `path` every `every` seconds from a thread while the body runs (each time with a
     new count, so a reader sees a change whatever the clocks of the nodes say); removed after."""
     stop = threading.Event()
-    who = f"rank 0 on {socket.gethostname()}, pid {os.getpid()}"
 
     def beat() -> None:
         n = 0
         while True:
             n += 1
             with contextlib.suppress(OSError):  # e.g. a full disk: the waiters' limit tells
-                atomic_write_text(path, f"{who}: beat {n}\n")
+                atomic_write_text(
+                    path, f"rank 0 on {socket.gethostname()}, pid {os.getpid()}: beat {n}\n"
+                )
             if stop.wait(every):
                 return
 
@@ -788,17 +743,18 @@ def to_universal(ckpt_dir: Path, tag: str, rank: int) -> None:
                 shutil.rmtree(partial, ignore_errors=True)
                 from deepspeed.checkpoint import ds_to_universal
 
-                args = argparse.Namespace(
-                    input_folder=str(ckpt_dir / tag),
-                    output_folder=str(partial),
-                    num_extract_workers=1,
-                    num_merge_workers=1,
-                    keep_temp_folder=False,
-                    strict=True,
-                    inject_missing_state=True,
-                )
                 with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-                    ds_to_universal.main(args)
+                    ds_to_universal.main(
+                        argparse.Namespace(
+                            input_folder=str(ckpt_dir / tag),
+                            output_folder=str(partial),
+                            num_extract_workers=1,
+                            num_merge_workers=1,
+                            keep_temp_folder=False,
+                            strict=True,
+                            inject_missing_state=True,
+                        )
+                    )
                 # it also points `<tag>/latest_universal` at the folder it wrote; we load by name
                 (ckpt_dir / tag / "latest_universal").unlink(missing_ok=True)
                 partial.rename(final)
@@ -874,10 +830,10 @@ def resume(engine: Any, ckpt_dir: Path, launch: dict[str, int]) -> dict:
             )
         if k:
             state = {**state, "replayed_steps": replayed + k}
-            said.append(
-                f"epoch {epoch} restarts from its first batch ({k} batches of it are seen again)"
-            )
-        else:
-            said.append(f"epoch {epoch} starts from its first batch, as planned")
+        said.append(
+            f"epoch {epoch} restarts from its first batch ({k} batches of it are seen again)"
+            if k
+            else f"epoch {epoch} starts from its first batch, as planned"
+        )
         log.info("%s: %s", said[0], "; ".join(said[1:]))
     return state

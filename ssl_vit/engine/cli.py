@@ -67,9 +67,12 @@ def parse(argv: list[str] | None, kind: str, description: str):
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = p.parse_intermixed_args(argv)  # key=value overrides may also follow the flags
     overrides = list(args.overrides)
-    if kind != "mpp" and not any(o.startswith("objective.kind=") for o in overrides):
-        if not (kind == "finetune" and _preset_kind(args.config) == "cascade"):
-            overrides.insert(0, f"objective.kind={kind}")  # a cascade preset keeps its kind
+    if (
+        kind != "mpp"
+        and not any(o.startswith("objective.kind=") for o in overrides)
+        and not (kind == "finetune" and _preset_kind(args.config) == "cascade")
+    ):
+        overrides.insert(0, f"objective.kind={kind}")  # a cascade preset keeps its kind
     if args.data:
         overrides.append(f"data.root={args.data}")
     if getattr(args, "backbone", None):
@@ -108,15 +111,25 @@ def _world_sizes(text: str | None, world: int) -> list[int]:
     return sizes
 
 
+RANGES = {  # --check's line on a web server's answer to Range requests (None: not a server)
+    None: [],
+    True: ["  range requests: answered: streams start inside shards at their offsets"],
+    False: [
+        "  range requests: ignored by the server: streams read each shard from its start "
+        "(counted in the reads above)"
+    ],
+}
+
+
 def _describe_plan(cfg, plan, world: int) -> str:
     """--check's lines about the data: how long the run is in this data's epochs, how often an
     epoch reads the shard set, and the loader's processes against this machine's cores."""
     d, t = cfg.data, cfg.train
-    total = plan.manifest.split(d.split).num_samples
-    if t.steps:
-        length = f"train.steps={t.steps} = {plan.epochs:.2f} epochs of this data"
-    else:
-        length = f"train.epochs={t.epochs:g} = {plan.total_steps} steps"
+    length = (
+        f"train.steps={t.steps} = {plan.epochs:.2f} epochs of this data"
+        if t.steps
+        else f"train.epochs={t.epochs:g} = {plan.total_steps} steps"
+    )
     workers = d.num_workers
     cores = os.cpu_count() or 1
     reads = (
@@ -124,18 +137,10 @@ def _describe_plan(cfg, plan, world: int) -> str:
         if plan.read_factor == 1.0 and (d.resampled or d.in_memory is True)
         else f"each epoch reads the shard set {plan.read_factor:.2f} times"
     )
-    if plan.ranged is None:
-        ranges = []
-    elif plan.ranged:
-        ranges = ["  range requests: answered: streams start inside shards at their offsets"]
-    else:
-        ranges = [
-            "  range requests: ignored by the server: streams read each shard from its start "
-            "(counted in the reads above)"
-        ]
     return "\n".join(
         [
-            f"{world} rank(s): {plan.num_train} of the {total} {d.split!r} samples trained on; "
+            f"{world} rank(s): {plan.num_train} of the "
+            f"{plan.manifest.split(d.split).num_samples} {d.split!r} samples trained on; "
             f"{plan.steps_per_epoch} steps per epoch at train.global_batch={t.global_batch}",
             f"  length: {length} ({plan.total_steps * t.global_batch:.3g} images seen)",
             f"  reads: {reads} ({world} rank(s) x {max(1, workers)} workers = "
@@ -143,7 +148,7 @@ def _describe_plan(cfg, plan, world: int) -> str:
             f"  loader: data.num_workers={workers} per rank, {workers + 1} processes per rank; "
             f"this machine has {cores} cores (room for {max(0, cores // (workers + 1))} rank(s) "
             "at one core per process)",
-            *ranges,
+            *RANGES[plan.ranged],
         ]
     )
 
@@ -169,8 +174,15 @@ def _check(cfg, args, world: int) -> int:
         if n in plans:
             print(_describe_plan(cfg, plans[n], n))
         if not cfg.model.init_from:
-            est = estimate(cfg, n, in_chans, precision)
-            print(describe(est, n, args.gpu_gib, configured=cfg.train.zero_stage))
+            # GPU memory per rank at each ZeRO stage
+            print(
+                describe(
+                    estimate(cfg, n, in_chans, precision),
+                    n,
+                    args.gpu_gib,
+                    configured=cfg.train.zero_stage,
+                )
+            )
     ranks = ", ".join(str(n) for n in sizes)
     print(f"ok: {args.config or 'defaults'} is valid for {ranks} rank(s)")
     return 0
@@ -211,11 +223,10 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
             _sweep().run_sweep(args.config, overrides, args.sweep, header, train)
         else:
             train(cfg, header=header)
-    except (ConfigError, ManifestError, CheckpointError, BarrierTimeout) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ShardReadError as e:  # data.missing_shards=error, after the read's retries
-        print(f"error: {e.one_line()}", file=sys.stderr)
+    except (ConfigError, ManifestError, CheckpointError, BarrierTimeout, ShardReadError) as e:
+        # ShardReadError: data.missing_shards=error, after the read's retries
+        line = e.one_line() if isinstance(e, ShardReadError) else e
+        print(f"error: {line}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -135,11 +135,6 @@ def compile_blocks(module: nn.Module) -> int:
     return len(blocks)
 
 
-def eager() -> contextlib.AbstractContextManager:
-    """Run compiled modules eagerly inside (evaluations during training)."""
-    return torch.compiler.set_stance("force_eager")
-
-
 def start_trial(
     mode: object, module: nn.Module, first_step: int, total_steps: int, rank: int
 ) -> CompileTrial | None:
@@ -174,7 +169,7 @@ class BlockCompile:
     def eager(self) -> contextlib.AbstractContextManager:
         """Compiled blocks run eagerly inside (evaluations, the export)."""
         on = self.trial.compiled if self.trial else self.compiled
-        return eager() if on else contextlib.nullcontext()
+        return torch.compiler.set_stance("force_eager") if on else contextlib.nullcontext()
 
     def after_step(self, step: int) -> dict[str, float] | None:
         """The trial's measurement, once, at the step it decides; None otherwise."""

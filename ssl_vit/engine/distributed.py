@@ -54,12 +54,6 @@ def init_distributed() -> tuple[int, int, int]:
     return dist.get_rank(), local_rank, dist.get_world_size()
 
 
-def shm_workspace_path(rank: int) -> Path:
-    """Where DeepSpeed's CPU communication op puts a rank's 66 MB shared-memory workspace."""
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    return Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
-
-
 def _unlink_shm_workspace() -> None:
     """DeepSpeed's CPU backend never unlinks its workspace: every CPU launch left 66 MB of RAM
     per rank in /dev/shm until reboot (14 GB here after a day of runs). Once every rank has
@@ -70,7 +64,10 @@ def _unlink_shm_workspace() -> None:
     if get_accelerator().device_name() != "cpu":  # the op is CPU-only
         return
     dist.barrier()  # every rank has mapped every workspace
-    shm_workspace_path(dist.get_rank()).unlink(missing_ok=True)
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    # where DeepSpeed's CPU communication op puts this rank's 66 MB shared-memory workspace
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
+    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -135,12 +132,6 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
 
 
 def all_gather_object(obj: object) -> list:

@@ -102,9 +102,8 @@ class EvalSplits:
             holdout_fraction=holdout,
             multiprocessing_context=IN_TRAINING_START,
         )
-        size = n * self.manifest.channels * self.img_size**2 / self.world
-        if size > EVAL_CACHE_BUDGET:
-            return loader
+        if n * self.manifest.channels * self.img_size**2 / self.world > EVAL_CACHE_BUDGET:
+            return loader  # the rank's part in bytes (uint8) would not fit: streamed
         self.kept[key] = [(x.to(self.device), y.to(self.device)) for x, y in loader]
         return self.kept[key]
 
@@ -136,7 +135,7 @@ def knn_monitor(
     sets = []
     for split, n in ((cfg.train_split, cfg.num_train), (cfg.eval_split, cfg.num_eval)):
         loader = make_eval_loader(manifest, split, batch_size=256, img_size=img_size, num_workers=0)
-        batches = itertools.islice(loader, -(-n // 256))
+        batches = itertools.islice(loader, -(-n // 256))  # those of the first n samples
         sets.append(extract_features(frozen, batches, device=device, desc=f"monitor {split}"))
     backbone.train(was_training)
     (gx, gy), (qx, qy) = sets
@@ -190,7 +189,6 @@ class InTrainingEvals:
             self.split = self.split if self.split in manifest.splits else None
         report = cfg.run.report_split
         self.report = report if report in manifest.splits and report != self.split else None
-        labelled = manifest.num_classes is not None
         self.classify = cfg.objective.kind != "mpp" and (self.split or self.report) is not None
         if self.classify and self.split is None and rank == 0:
             log.warning(
@@ -198,7 +196,7 @@ class InTrainingEvals:
                 "data.holdout_fraction to choose a checkpoint)"
             )
         m = cfg.monitor
-        self.knn_every = m.knn_every if labelled else 0
+        self.knn_every = m.knn_every if manifest.num_classes is not None else 0
         if self.knn_every and not {m.train_split, m.eval_split} <= set(manifest.splits):
             log.warning(
                 "monitor: splits %s/%s not in the shard set; kNN monitor off",
@@ -220,15 +218,13 @@ class InTrainingEvals:
 
     def _accuracy(self, classifier: nn.Module, split: str) -> float:
         if self.splits is None:
-            device = next(classifier.parameters()).device
-            workers = min(2, self.cfg.data.num_workers)
             self.splits = EvalSplits(
                 self.manifest,
                 self.img_size,
                 rank=self.rank,
                 world=self.world,
-                num_workers=workers,
-                device=device,
+                num_workers=min(2, self.cfg.data.num_workers),
+                device=next(classifier.parameters()).device,
             )
         held = split == HOLDOUT_SPLIT
         name = self.cfg.data.split if held else split
@@ -254,13 +250,15 @@ class InTrainingEvals:
                 metrics[f"eval/{self.split}_top1"] = top1
                 if self.best_top1 is None or top1 > self.best_top1:  # chosen on held-out only
                     self.best_top1, self.best_step = top1, step
-                    extra = {
-                        "step": step,
-                        "selection_split": self.split,
-                        "selection_top1": top1,
-                        "objective": self.cfg.objective.kind,
-                    }
-                    self.export(Path(self.cfg.run.dir) / "export_best", extra)
+                    self.export(
+                        Path(self.cfg.run.dir) / "export_best",
+                        {
+                            "step": step,
+                            "selection_split": self.split,
+                            "selection_top1": top1,
+                            "objective": self.cfg.objective.kind,
+                        },
+                    )
                 metrics[f"eval/{self.split}_best_top1"] = self.best_top1
         if self.knn_every and step % self.knn_every == 0:
             if self.rank == 0:
@@ -285,19 +283,15 @@ class InTrainingEvals:
             "eval_history": self.history,
         }
 
-    def selection_split_name(self) -> str | None:
-        if self.split == HOLDOUT_SPLIT:
-            return f"{self.cfg.data.split} (held-out {self.holdout:g}, data.holdout_fraction)"
-        return self.split
-
     def write_results(self, path: Path, tracker) -> None:
         """RUN/results.json (rank 0): the step chosen on the selection split, and the report
         split's top-1 of that step (`selected_top1`) and of the last (`final_top1`)."""
         if self.rank != 0 or not self.history:
             return
         at_best = next((h for h in self.history if h[0] == self.best_step), None)
+        held = f"{self.cfg.data.split} (held-out {self.holdout:g}, data.holdout_fraction)"
         result = {
-            "selection_split": self.selection_split_name(),
+            "selection_split": held if self.split == HOLDOUT_SPLIT else self.split,
             "report_split": self.report,
             "best_step": self.best_step,
             "selection_best_top1": self.best_top1,

@@ -49,10 +49,6 @@ def leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _as_param(value: Any) -> str:
-    return str(value)[:MAX_PARAM_LEN]  # what the run's param holds (ssl_vit.tracking.flatten)
-
-
 def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """{key: {"old": a, "new": b}} for each flattened key whose param would differ; a key one
     side lacks is UNSET there."""
@@ -60,7 +56,12 @@ def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, dict[st
     out = {}
     for key in [*b, *(k for k in a if k not in b)]:
         before, after = a.get(key, UNSET), b.get(key, UNSET)
-        if key not in a or key not in b or _as_param(before) != _as_param(after):
+        # compared as the run's params hold them (ssl_vit.tracking.flatten)
+        if (
+            key not in a
+            or key not in b
+            or str(before)[:MAX_PARAM_LEN] != str(after)[:MAX_PARAM_LEN]
+        ):
             out[key] = {"old": before, "new": after}
     return out
 
@@ -122,10 +123,11 @@ class Launch:
             done = self.earlier
         if not done:
             return None
-        keys: set[str] = set()
-        for r in done:
-            keys |= set(leaves({**r.get("config", {}), "derived": r.get("derived", derived)}))
-        return keys
+        return {
+            key
+            for r in done
+            for key in leaves({**r.get("config", {}), "derived": r.get("derived", derived)})
+        }
 
     def finish(self, derived: dict[str, Any], step: int) -> None:
         """What the launch resolved after its config (`derived`: compared with the last launch

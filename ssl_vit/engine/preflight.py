@@ -68,8 +68,11 @@ def check_data(cfg: Config, world: int, probe_remote: bool = True) -> DataPlan:
     if cfg.holdout_share > 0 or fraction < 1 or subset_file:  # imported late: numpy
         from ssl_vit.data.holdout import excluded_indices, held_out_indices
 
-        held = len(held_out_indices(split.num_samples, cfg.holdout_share))
-        if held == 0 and cfg.holdout_share > 0 and cfg.objective.kind != "mpp":
+        if (
+            cfg.holdout_share > 0
+            and cfg.objective.kind != "mpp"
+            and len(held_out_indices(split.num_samples, cfg.holdout_share)) == 0
+        ):
             raise ConfigError(
                 f"data.holdout_fraction={cfg.holdout_share} holds out no sample of the "
                 f"{split.num_samples} in split {cfg.data.split!r}; raise it"
@@ -174,7 +177,16 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int, shards: list[Sh
     quotas = [stream_quota(steps, batch, workers, role) for role in range(workers)] * world
     plans = exact_pieces(shards, quotas, exclusions, seed=cfg.run.seed, epoch=0)
     factor = read_factor(shards, plans)
-    if factor > MAX_READ_FACTOR >= read_factor(shards, plans, assume_ranged=True):
+    if factor > MAX_READ_FACTOR:
+        if read_factor(shards, plans, assume_ranged=True) > MAX_READ_FACTOR:
+            streams = world * workers
+            raise ConfigError(
+                f"{d.root}: each epoch would read the shard set {factor:.2f} times: {streams} "
+                f"loader streams ({world} ranks x {workers} workers) start inside {len(shards)} "
+                "shards that cannot be entered without reading their heads (a pipe, or no offset "
+                f"index); re-shard with data_prep/make_shards.py --num-shards {20 * streams} "
+                "(which also writes the index), or set data.resampled=true"
+            )
         # only a web server without Range support costs the extra reads: it trains, warned
         log.warning(
             "%s: the server ignores Range requests, so each epoch reads the shard set %.2f "
@@ -182,16 +194,6 @@ def check_read_plan(cfg: Config, manifest: Manifest, world: int, shards: list[Sh
             "data.resampled=true bring it to 1",
             d.root,
             factor,
-        )
-        return factor
-    if factor > MAX_READ_FACTOR:
-        streams = world * workers
-        raise ConfigError(
-            f"{d.root}: each epoch would read the shard set {factor:.2f} times: {streams} loader "
-            f"streams ({world} ranks x {workers} workers) start inside {len(shards)} shards "
-            "that cannot be entered without reading their heads (a pipe, or no offset index); "
-            f"re-shard with data_prep/make_shards.py --num-shards {20 * streams} (which also "
-            "writes the index), or set data.resampled=true"
         )
     return factor
 
@@ -242,15 +244,11 @@ def check_backbone(cfg: Config, in_chans: int) -> None:
     cls, taken = constructor_kwargs(m.arch)
     if taken is not None:
         allowed = sorted(taken - set(KWARGS_SET_ELSEWHERE))  # the rest are refused by validate
-        for key in m.kwargs:
-            if key in taken:
-                continue
-            what = f"model.kwargs.{key}: {m.arch} (timm {cls}) takes no {key!r}"
+        for key in [k for k in m.kwargs if k not in taken]:
             other = _ACROSS_FAMILIES.get(key)
             close = [other] if other in allowed else difflib.get_close_matches(key, allowed, n=1)
-            if close:
-                raise ConfigError(f"{what}; did you mean {close[0]!r}?")
-            raise ConfigError(f"{what}; it takes {', '.join(allowed)}")
+            hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(allowed)}"
+            raise ConfigError(f"model.kwargs.{key}: {m.arch} (timm {cls}) takes no {key!r}; {hint}")
     try:
         with torch.device("meta"):
             build_backbone(m.arch, **m.backbone_kwargs(in_chans))

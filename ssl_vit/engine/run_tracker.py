@@ -48,6 +48,11 @@ def headline_metrics(run_dir: Path) -> dict[str, str]:
     return tags
 
 
+def saved_run_id(path: Path) -> str | None:
+    """The MLflow run id a launch saved in `path` (RUN/mlflow_run_id), if any."""
+    return path.read_text().strip() if path.is_file() else None
+
+
 def save_run_id(tracker: Tracker, path: Path) -> None:
     """Remember the MLflow run so a rerun continues it (the id may arrive late: store down)."""
     if tracker.run_id and not path.is_file():
@@ -95,7 +100,7 @@ def open_run_tracker(
         enabled=rank == 0,
         experiment=cfg.tracking.experiment,
         run_name=cfg.tracking.run_name or run_dir.name,
-        run_id=run_id_file.read_text().strip() if run_id_file.is_file() else None,
+        run_id=saved_run_id(run_id_file),
         run_key=run_key(run_dir) if rank == 0 else None,
         run_id_file=run_id_file,  # written by the tracker as soon as the store gives the id
         tracking_uri=cfg.tracking.uri,
@@ -106,10 +111,13 @@ def open_run_tracker(
     if rank == 0:
         save_run_id(tracker, run_id_file)
         params = {**cfg.to_dict(), "derived": derived}
-        if this_launch is not None:
-            logged = this_launch.logged_params(fresh, derived)
-        else:
-            logged = None if fresh else set(flatten(params))
+        logged = (
+            this_launch.logged_params(fresh, derived)
+            if this_launch is not None
+            else None
+            if fresh
+            else set(flatten(params))
+        )
         if logged is None:
             tracker.log_params(params)
             if cfg.model.init_from:  # lineage: what this run started from

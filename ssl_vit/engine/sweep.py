@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from ssl_vit.config import Config, ConfigError, load_config, training_settings
+from ssl_vit.engine.run_tracker import save_run_id, saved_run_id
 from ssl_vit.io import atomic_write_text
 
 log = logging.getLogger("ssl_vit.train")
@@ -41,10 +42,6 @@ def parse_sweep(spec: str) -> tuple[str, list[Any]]:
     return key, values
 
 
-def child_dir(base: Path, key: str, value: Any) -> Path:
-    return base / f"{key}={value}"
-
-
 def check_sweep(config_path: str | None, overrides: list[str], key: str, values: list) -> None:
     """Every value makes a valid config, and there is held-out data to choose on."""
     cfg = load_config(config_path, overrides)
@@ -57,14 +54,15 @@ def check_sweep(config_path: str | None, overrides: list[str], key: str, values:
         load_config(config_path, [*overrides, f"{key}={v}"])  # raises ConfigError if bad
 
 
-def _read(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+def _results(run_dir: Path) -> dict:
+    """A finished run's RUN/results.json, or {} while there is none."""
+    path = run_dir / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def choose(key: str, values: list[Any], runs: list[dict]) -> dict[str, Any]:
     """The sweep's results: the value with the best selection-split top-1 (first on ties)."""
-    scored = [r for r in runs if r.get("selection_best_top1") is not None]
-    if len(scored) != len(runs):
+    if any(r.get("selection_best_top1") is None for r in runs):
         raise ConfigError(
             "--sweep needs a selection split in every run (the held-out part of the training "
             "split: data.holdout_fraction > 0, or a val split); none was scored"
@@ -103,7 +101,7 @@ def run_sweep(
     parent = _open_parent(base_cfg, key, values, header) if rank == 0 else None
     runs = []
     for value in values:
-        out = child_dir(base, key, value)
+        out = base / f"{key}={value}"
         child = [*overrides, f"{key}={value}", f"run.dir={out}"]
         if parent is not None and parent.run_id:
             child.append(f"tracking.parent_run_id={parent.run_id}")
@@ -116,9 +114,14 @@ def run_sweep(
             log.info("sweep %s=%s: training in %s", key, value, out)
             train_fn(load_config(config_path, child), header=f"{header} [{key}={value}]")
         barrier()
-        res = _read(out / "results.json") or {}
-        rid = _read_text(out / "mlflow_run_id")
-        runs.append({"value": value, "run_dir": str(out), "mlflow_run_id": rid, **res})
+        runs.append(
+            {
+                "value": value,
+                "run_dir": str(out),
+                "mlflow_run_id": saved_run_id(out / "mlflow_run_id"),
+                **_results(out),
+            }
+        )
     result = choose(key, values, runs)
     if rank == 0 and parent is not None:
         _close_parent(parent, base / "results.json", key, result, runs)
@@ -149,14 +152,13 @@ def _open_parent(base_cfg: Config, key: str, values: list, header: str):
         enabled=True,
         experiment=base_cfg.tracking.experiment,
         run_name=base_cfg.tracking.run_name or base.name,
-        run_id=id_file.read_text().strip() if id_file.is_file() else None,
+        run_id=saved_run_id(id_file),
         tracking_uri=base_cfg.tracking.uri,
         spool_dir=base / "mlflow_spool",
         tags={"ssl_vit.sweep": key},
         system_metrics=False,
     )
-    if parent.run_id and not id_file.is_file():
-        atomic_write_text(id_file, parent.run_id + "\n")
+    save_run_id(parent, id_file)
     # Tags, not params: a grown grid continues this parent run, and MLflow's params never change.
     parent.set_tags({"sweep.key": key, "sweep.values": values, "header": header})
     return parent
@@ -183,7 +185,3 @@ def _close_parent(parent, path: Path, key: str, result: dict, runs: list[dict]) 
         result["selected_top1"],
         path,
     )
-
-
-def _read_text(path: Path) -> str | None:
-    return path.read_text().strip() if path.is_file() else None

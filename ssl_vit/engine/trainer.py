@@ -33,7 +33,7 @@ import yaml
 
 from ssl_vit import startup
 from ssl_vit.config import Config, ConfigError, local_batch
-from ssl_vit.data.manifest import Manifest, ManifestError
+from ssl_vit.data.manifest import ManifestError
 from ssl_vit.data.memory import MemoryTrainLoader, resolve_in_memory
 from ssl_vit.data.stream import LoaderSpec, TrainLoader, make_train_loader
 from ssl_vit.data.urls import Retry
@@ -84,9 +84,6 @@ class Counters:
     # worker count, checkpoint.resume): the loader is `step - replayed_steps` batches in
     replayed_steps: int = 0
 
-    def state(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
 class Run:
@@ -97,10 +94,8 @@ class Run:
     world: int
     micro: int  # micro-batch size: the rank's batch is cut into these (gradient accumulation)
     run_dir: Path
-    manifest: Manifest
     spec: ModelSpec  # what the export records to rebuild the backbone
     options: dict  # the objective's options, saved beside the export
-    precision: str  # fp32, bf16 or fp16 as resolved for this run (RUN/precision)
     cpu_autocast: bool  # bf16 on a CPU runs as autocast around an fp32 engine
     clip: float  # the global-norm clip the step applies itself (optim.clips_in_step), or 0
     loader: TrainLoader | MemoryTrainLoader
@@ -116,14 +111,8 @@ class Run:
     count: Counters  # where the run is (resumed from the checkpoint)
     tracker: Tracker  # the MLflow run (rank 0; a no-op elsewhere)
     evals: InTrainingEvals
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    @property
-    def metrics_file(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+    ckpt_dir: Path  # RUN/checkpoints
+    metrics_file: Path  # RUN/metrics.jsonl: the run's metric record
 
     def export(self, out: Path, extra: dict) -> None:
         """The backbone and objective to `out`. Every rank calls this (ZeRO gathers); rank 0
@@ -163,8 +152,9 @@ def setup(cfg: Config, header: str = "") -> Run:
     ds_precision = precision if device.type == "cuda" else "fp32"  # CPU bf16: autocast
     engine = _deepspeed_engine(cfg, objective, optimizer, run_dir, rank, world, micro, accum,
                                ds_precision, on_gpu=device.type == "cuda")  # fmt: skip
-    images = total_steps * cfg.train.global_batch
-    mode, why = resolve_compile(cfg.train.compile, images, cfg.train.zero_stage, device)
+    mode, why = resolve_compile(  # auto weighs the images the run will see
+        cfg.train.compile, total_steps * cfg.train.global_batch, cfg.train.zero_stage, device
+    )
     compiler = BlockCompile(mode, engine.module)
     if rank == 0:
         log.info("torch.compile %s (%s)", "on: each block" if mode == "on" else mode, why)
@@ -182,7 +172,7 @@ def setup(cfg: Config, header: str = "") -> Run:
 
     # Resume (a fresh run finds no checkpoint), then the MLflow run and in-training evaluations
     state = checkpoint.resume(engine, run_dir / "checkpoints", launch)
-    count = Counters(**{k: int(state.get(k, 0)) for k in Counters().state()})
+    count = Counters(**{f.name: int(state.get(f.name, 0)) for f in dataclasses.fields(Counters)})
     loader.set_epoch(*divmod(count.step - count.replayed_steps, loader.steps_per_epoch))
     schedule.set(count.step)
     compiler.start_trial(count.step, total_steps, rank)
@@ -198,12 +188,13 @@ def setup(cfg: Config, header: str = "") -> Run:
         peak, peak_measured, why = mfu_peaks(precision, engine.device)
         log.info("train/mfu against %s", why)
     run = Run(
-        cfg=cfg, rank=rank, world=world, micro=micro, run_dir=run_dir, manifest=plan.manifest,
-        spec=spec, options=options, precision=precision, cpu_autocast=cpu_autocast,
+        cfg=cfg, rank=rank, world=world, micro=micro, run_dir=run_dir, spec=spec,
+        options=options, cpu_autocast=cpu_autocast,
         clip=cfg.optim.grad_clip if clips_in_step(cfg, ds_precision) else 0.0, loader=loader,
         total_steps=total_steps, flops_per_step=flops, peak=peak, peak_measured=peak_measured,
         engine=engine, optimizer=optimizer, schedule=schedule, compiler=compiler,
         launch=launch, count=count, tracker=tracker, evals=evals,
+        ckpt_dir=run_dir / "checkpoints", metrics_file=run_dir / "metrics.jsonl",
     )  # fmt: skip
     evals.export = run.export  # export_best/ is written through the run's export
     return run
@@ -236,12 +227,10 @@ def _claim_run_dir(cfg: Config, run_dir: Path, rank: int, header: str) -> dict |
                     f"{saved}: this run directory holds a run with a different {section} "
                     "config; use another run.dir (or delete this one) to start a new run"
                 )
-    this_launch = None
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        this_launch = launches.begin(run_dir, cfg, header)  # writes config.yaml too
+    # makes the run directory (RUN/launches/ with its parents) and writes config.yaml too
+    this_launch = launches.begin(run_dir, cfg, header) if rank == 0 else None
     barrier()
-    checkpoint.check_shared(run_dir, rank)
+    checkpoint.check_shared(run_dir / "config.yaml", rank)
     checkpoint.latest_tag(run_dir / "checkpoints")  # a broken pointer fails now, before setup
     return this_launch
 
@@ -252,9 +241,8 @@ def _train_loader(
     """The data config as one LoaderSpec, over the manifest and shards the preflight read."""
     d = cfg.data
     in_ram, why_ram = resolve_in_memory(d.in_memory, plan.manifest, d.split)
-    decode = d.decode
-    if decode == "auto":
-        decode = "gpu" if device.type == "cuda" and not d.translate else "cpu"
+    auto = "gpu" if device.type == "cuda" and not d.translate else "cpu"
+    decode = auto if d.decode == "auto" else d.decode
     if rank == 0:
         log.info("training data %s (%s)", "in RAM" if in_ram else "streamed", why_ram)
         if d.subset_file:  # the path alone would not say which samples a rerun trained on
@@ -284,10 +272,11 @@ def _train_loader(
         verify=d.verify,  # type: ignore[arg-type]
         decode=decode,  # type: ignore[arg-type]
     )
-    # batches made on the GPU; decode=gpu on a CPU runs the same code there (tests)
-    on = device if device.type == "cuda" or decode == "gpu" else None
-    return make_train_loader(plan.manifest, d.split, rank=rank, world_size=world, device=on,
-                             shards=plan.shards, spec=spec)  # fmt: skip
+    return make_train_loader(
+        plan.manifest, d.split, rank=rank, world_size=world, shards=plan.shards, spec=spec,
+        # batches made on the GPU; decode=gpu on a CPU runs the same code there (tests)
+        device=device if device.type == "cuda" or decode == "gpu" else None,
+    )  # fmt: skip
 
 
 def _deepspeed_engine(
@@ -295,8 +284,10 @@ def _deepspeed_engine(
     rank: int, world: int, micro: int, accum: int, precision: str, *, on_gpu: bool,
 ) -> deepspeed.DeepSpeedEngine:  # fmt: skip
     """The DeepSpeed engine over the objective (its config written to RUN/ds_config.json)."""
-    size = model_size(objective)  # ZeRO's bucket sizes scale with it
-    ds_config = deepspeed_config(cfg, world, micro, accum, precision, on_gpu=on_gpu, **size)
+    # ZeRO's bucket sizes scale with the model's size
+    ds_config = deepspeed_config(
+        cfg, world, micro, accum, precision, on_gpu=on_gpu, **model_size(objective)
+    )
     if rank == 0:
         atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
     if ds_config["zero_optimization"]["stage"] == 3:
@@ -361,9 +352,9 @@ def train(cfg: Config, header: str = "") -> Path:
             if last or count.step % cfg.run.checkpoint_every == 0:
                 tracker.wait_sent()  # the metrics up to this step outlive a kill right after it
                 launch = {k: run.launch[k] for k in checkpoint.LAUNCH_KEYS}
-                saved = {**count.state(), **launch, **run.evals.state()}
-                keep = cfg.run.keep_checkpoints
-                checkpoint.save(engine, run.ckpt_dir, count.step, saved, rank=rank, keep=keep)
+                saved = {**dataclasses.asdict(count), **launch, **run.evals.state()}
+                checkpoint.save(engine, run.ckpt_dir, count.step, saved, rank=rank,
+                                keep=cfg.run.keep_checkpoints)  # fmt: skip
             for epoch in cfg.run.export_epochs:  # snapshots at the end of chosen epochs
                 if count.step == epoch * per_epoch:
                     extra = {**meta, "step": count.step, "epoch": epoch}
@@ -390,8 +381,8 @@ def train(cfg: Config, header: str = "") -> Path:
                 tracker.close()
                 if cfg.tracking.register_as:
                     register_run(tracker, cfg.tracking.register_as, run.run_dir)
-                done = "done: %d steps; backbone exported to %s; MLflow run %s"
-                log.info(done, count.step, export_dir, tracker.run_id)
+                log.info("done: %d steps; backbone exported to %s; MLflow run %s",
+                         count.step, export_dir, tracker.run_id)  # fmt: skip
         run.compiler.close()
     barrier()
     sys.stdout.flush()
@@ -514,15 +505,12 @@ class MetricWindow:
     """Sums step metrics as tensors (no host sync per step); `flush` averages over ranks."""
 
     def __init__(self, device: torch.device, global_batch: int) -> None:
-        self.device = device
-        self.global_batch = global_batch
+        self.device, self.global_batch = device, global_batch
         self._reset()
 
     def _reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.count = 0
-        self.steps = 0
-        self.data_s = 0.0
+        self.count, self.steps, self.data_s = 0, 0, 0.0  # micro-batches, steps, data wait (s)
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
@@ -599,8 +587,9 @@ class TrainProgress:
         if self.bar is not None:
             self.bar.n = step
             if row:
-                loss, speed = row["train/loss"], row["train/images_per_s"]
-                self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{speed:.0f}")
+                self.bar.set_postfix(
+                    loss=f"{row['train/loss']:.4f}", img_s=f"{row['train/images_per_s']:.0f}"
+                )
             self.bar.refresh()
         elif row:
             shown = {k.removeprefix("train/"): v for k, v in row.items()}
@@ -616,9 +605,8 @@ class TrainProgress:
 
 def write_loss_plot(metrics_file: Path, out: Path) -> Path | None:
     """Loss (and accuracy, when logged) against step, from the run's metrics.jsonl."""
-    if not metrics_file.is_file():
-        return None
-    rows = [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln]
+    lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
+    rows = [json.loads(ln) for ln in lines if ln]
     if not rows:
         return None
     import matplotlib
