@@ -153,7 +153,7 @@ def check_remote_shards(manifest: Manifest, split: str, missing: str) -> None:
 def check_read_plan(cfg: Config, manifest: Manifest, world: int, shards: list[ShardRef]) -> float:
     """Refuse a streamed epoch that would read the shard set more than MAX_READ_FACTOR times:
     streams that must read shard heads to drop them (a pipe, or remote shards without the
-    offset index) when there are not many more shards than streams (ssl_vit.data.stream_plan).
+    offset index) when there are not many more shards than streams (ssl_vit.data.stream).
     Returns the factor (1.0 for a split held in RAM or resampled epochs)."""
     from ssl_vit.data.holdout import excluded_indices  # imported late: numpy, torch
     from ssl_vit.data.memory import resolve_in_memory
