@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ssl_vit.data.imaging import FORMATS, RESIZE_MODES, ImageOptions
 from ssl_vit.data.manifest import ManifestError
@@ -60,6 +62,7 @@ examples:
       --val-fraction 0.05 --workers 16
 """
 
+T = TypeVar("T")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -75,34 +78,24 @@ def _bytes(text: str) -> int:
     return value
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1)")
-    return v
+def _number(convert: Callable[[str], T], ok: Callable[[T], bool], what: str) -> Callable[[str], T]:
+    """An argparse type: the text converted, where `ok` holds of it; else "TEXT is not WHAT"."""
+
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return v
-
-
-def _quality(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if not 1 <= v <= 100:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a quality from 1 to 100")
-    return v
+_fraction = _number(float, lambda v: 0.0 <= v < 1.0, "a fraction in [0, 1)")
+_positive = _number(int, lambda v: v >= 1, "a positive integer")
+_quality = _number(int, lambda v: 1 <= v <= 100, "a quality from 1 to 100")
 
 
 def _cpus() -> int:

@@ -104,11 +104,6 @@ def _resize(img: Image.Image, how: str, size: int | None) -> Image.Image:
     return img.resize(new, Image.Resampling.BICUBIC, box=box)
 
 
-def _histogram(img: Image.Image) -> list[int]:
-    """Exact per-channel pixel counts: Pillow's C histogram is ~5x cheaper than numpy sums."""
-    return img.histogram()  # 256 counts per band, bands in order
-
-
 def _encode(img: Image.Image, fmt: str, quality: int) -> bytes:
     buf = io.BytesIO()
     if fmt == "png":
@@ -128,12 +123,11 @@ def _finish(
     fallback: str,
     want_stats: bool,
 ) -> Encoded:
-    stats = _histogram(img) if want_stats else None
-    size = (img.size[1], img.size[0])
-    if keep is not None:
-        return Encoded(keep[0], keep[1], original, size, stats)
+    # 256 counts per band, bands in order: Pillow's C histogram is ~5x cheaper than numpy sums
+    stats = img.histogram() if want_stats else None
     fmt = fallback if opts.fmt == "keep" else opts.fmt
-    return Encoded(_encode(img, fmt, opts.quality), fmt, original, size, stats)
+    data, ext = keep or (_encode(img, fmt, opts.quality), fmt)
+    return Encoded(data, ext, original, (img.size[1], img.size[0]), stats)
 
 
 def process_bytes(data: bytes, opts: ImageOptions, *, want_stats: bool = False) -> Encoded:
@@ -177,9 +171,8 @@ def process_bytes(data: bytes, opts: ImageOptions, *, want_stats: bool = False) 
     changed |= out is not img
     resized = _resize(out, opts.resize, opts.size)
     changed |= resized is not out
-    keep = None
-    if opts.fmt == "keep" and not changed and src_format in _EXT_OF_PIL:
-        keep = (data, _EXT_OF_PIL[src_format])
+    unchanged = opts.fmt == "keep" and not changed and src_format in _EXT_OF_PIL
+    keep = (data, _EXT_OF_PIL[src_format]) if unchanged else None
     fallback = _EXT_OF_PIL.get(src_format, "png")
     return _finish(resized, opts, original, keep, fallback, want_stats)
 
@@ -191,6 +184,18 @@ def process_pixels(pixels: np.ndarray, opts: ImageOptions, *, want_stats: bool =
     out = _resize(_to_mode(img, opts.mode), opts.resize, opts.size)
     # Arrays have no original bytes: "keep" stores them losslessly as PNG.
     return _finish(out, opts, original, None, "png", want_stats)
+
+
+def histogram_stats(hist: Any) -> dict[str, Any]:
+    """A histogram's (256 counts per channel) pixel count and per-channel sums and sums of
+    squares: exact integers, so merging them in any order gives the same mean/std."""
+    counts = np.asarray(hist, dtype=np.int64).reshape(-1, 256)  # (C, 256)
+    v = np.arange(256, dtype=np.int64)
+    return {
+        "pixels": int(counts[0].sum()),
+        "sums": [int(x) for x in counts @ v],
+        "squares": [int(x) for x in counts @ (v * v)],
+    }
 
 
 def mean_std(stats: list[dict[str, Any]], channels: int) -> tuple[list[float], list[float]]:

@@ -18,17 +18,21 @@ import io
 import json
 import logging
 import re
+import shutil
 import sys
 import time
 import warnings
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import ssl_vit
-from ssl_vit.data.imaging import mean_std
+from ssl_vit.data.imaging import histogram_stats, mean_std
 from ssl_vit.data.manifest import (
     IMAGE_KEYS,
     MANIFEST_NAME,
@@ -48,6 +52,7 @@ from ssl_vit.data.urls import (
     is_pipe,
     is_plain_name,
     join,
+    list_folder,
     local_path,
     normalise_root,
     open_url,
@@ -109,8 +114,8 @@ def list_shards(source: str) -> tuple[str, list[str]]:
 def _list_file(path: Path) -> tuple[str, list[str]]:
     """A list of shard paths or URLs (paths relative to the list's folder), `#` comments."""
     lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-    urls = [ln for ln in lines if ln and not ln.startswith("#")]
-    urls = [u if "://" in u or u.startswith("/") else str(path.parent / u) for u in urls]
+    urls = [ln if "://" in ln or ln.startswith("/") else str(path.parent / ln)
+            for ln in lines if ln and not ln.startswith("#")]  # fmt: skip
     folders = {u.rpartition("/")[0] for u in urls}
     if not urls:
         raise IndexJobError(f"{path}: lists no shards")
@@ -124,25 +129,17 @@ def _list_file(path: Path) -> tuple[str, list[str]]:
 
 def _tar_files(root: str) -> list[str]:
     folder = local_path(root)
-    if folder is not None:
-        if not folder.is_dir():
-            raise IndexJobError(
-                f"{root}: not found; give a folder, URL, brace pattern or list file"
-            )
-        return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tar"))
+    if folder is not None and not folder.is_dir():
+        raise IndexJobError(f"{root}: not found; give a folder, URL, brace pattern or list file")
     if root.startswith(("http://", "https://")):
         raise IndexJobError(
             f"{root}: a web server cannot be listed; give a brace pattern "
             "(.../data-{000000..000099}.tar) or a list file of the shards' URLs"
         )
-    import fsspec
-
     try:
-        fs, path = fsspec.core.url_to_fs(root)
-        found = Retry().call(lambda: fs.ls(path, detail=False), root)
+        return [n for n in list_folder(root) if n.endswith(".tar")]
     except Exception as e:  # a bucket that cannot be listed, after the retries
         raise IndexJobError(f"{root}: cannot be listed ({reason(e)}); check the URL") from None
-    return sorted(str(f).rsplit("/", 1)[-1] for f in found if str(f).endswith(".tar"))
 
 
 class _Tee:
@@ -186,10 +183,10 @@ def index_shard(url: str, opts: IndexOptions) -> dict[str, Any]:
     f, _ = Retry().call(lambda: open_url(url), url)
     tee = _Tee(f)
     offsets: list[int] = []
-    labels: dict[str, int] = {}  # label as text -> count
+    labels: Counter[str] = Counter()  # label as text -> count
     sizes: set[tuple[int, int]] = set()
     gray, no_image, unlabelled, bad_image = True, 0, 0, 0
-    sums, squares, pixels = [0, 0, 0], [0, 0, 0], 0
+    hist = np.zeros(3 * 256, dtype=np.int64)  # of the images decoded for the mean and std
     n = 0
     with f:
         for at, sample in read_samples(tee, url):
@@ -210,20 +207,14 @@ def index_shard(url: str, opts: IndexOptions) -> dict[str, Any]:
                                 sizes.add((img.height, img.width))
                             gray = gray and img.mode in _GRAY_MODES
                             if n % opts.stats_every == 1 or opts.stats_every == 1:
-                                import numpy as np
-
-                                px = np.asarray(img.convert("RGB"), dtype=np.int64).reshape(-1, 3)
-                                sums = [s + int(px[:, c].sum()) for c, s in enumerate(sums)]
-                                sq = (px * px).sum(axis=0)
-                                squares = [s + int(sq[c]) for c, s in enumerate(squares)]
-                                pixels += len(px)
+                                hist += img.convert("RGB").histogram()
                 except Exception:  # a broken image: readers skip it as corrupt
                     bad_image += 1
             label = _label_text(sample, opts.label)
             if label is None:
                 unlabelled += 1
             else:
-                labels[label] = labels.get(label, 0) + 1
+                labels[label] += 1
         tee.finish()
     if len(sizes) > 1:
         sizes = {(-1, -1)}  # mixed: no need to keep them all
@@ -240,7 +231,7 @@ def index_shard(url: str, opts: IndexOptions) -> dict[str, Any]:
         "bad_image": bad_image,
         "sizes": sorted(sizes),
         "gray": gray,
-        "stats": {"pixels": pixels, "sums": sums, "squares": squares},
+        "stats": histogram_stats(hist),
     }
 
 
@@ -257,10 +248,7 @@ def _label_text(sample: dict, label: str | None) -> str | None:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             return None
         return f"#{value}" if isinstance(value, int) else value
-    raw = sample.get(label)
-    if raw is None:
-        return None
-    text = raw.decode("ascii", "replace").strip()
+    text = sample.get(label, b"").decode("ascii", "replace").strip()
     return f"#{int(text)}" if text.isdigit() else None
 
 
@@ -287,9 +275,7 @@ def _class_names(labels: dict[str, int], opts: IndexOptions) -> list[str] | None
                 "add it to the file"
             )
         return given
-    if names:
-        return names
-    return [str(i) for i in range(max(numbers) + 1)]
+    return names or [str(i) for i in range(max(numbers) + 1)]
 
 
 def run_index(
@@ -321,9 +307,7 @@ def run_index(
     records = _index_all(root, every, opts, workers, work)
     manifest = _manifest(root, names, records, opts, sources, apart=out is not None)
     write_manifest(dest, manifest)  # the commit point
-    for p in work.iterdir():
-        p.unlink()
-    work.rmdir()
+    shutil.rmtree(work)
     return manifest
 
 
@@ -359,8 +343,8 @@ def _index_all(
         print(f"index: {len(records)} shards done before, {len(todo)} to read", file=sys.stderr)
     start = last = time.monotonic()
     nbytes = 0
-    ctx = get_context("spawn")  # fsspec's event loop thread does not survive a fork
-    pool = ProcessPoolExecutor(max(1, workers), mp_context=ctx)
+    # spawned: fsspec's event loop thread does not survive a fork
+    pool = ProcessPoolExecutor(max(1, workers), mp_context=get_context("spawn"))
     try:
         futures = {n: pool.submit(index_shard, join(root, n), opts) for n in todo}
         for i, (name, fut) in enumerate(futures.items(), 1):
@@ -399,10 +383,9 @@ def _manifest(
     sources: dict[str, str],
     apart: bool,
 ) -> Manifest:
-    labels: dict[str, int] = {}
+    labels: Counter[str] = Counter()
     for rec in records.values():
-        for k, v in rec["labels"].items():
-            labels[k] = labels.get(k, 0) + v
+        labels.update(rec["labels"])
     class_names = _class_names(labels, opts)
     splits = {}
     for split, shard_names in names.items():
@@ -423,16 +406,17 @@ def _manifest(
     stats_split = "train" if "train" in names else next(iter(names))
     stats = [records[n]["stats"] for n in names[stats_split]]
     mean, std = mean_std(stats, channels)
-    problems = {k: sum(r[k] for r in records.values()) for k in ("no_image", "bad_image")}
-    unlabelled = sum(r["unlabelled"] for r in records.values())
+    no_image, bad_image, unlabelled = (
+        sum(r[k] for r in records.values()) for k in ("no_image", "bad_image", "unlabelled")
+    )
     if class_names is not None and unlabelled:
         log.warning("%d samples have no label under %r: readers skip them", unlabelled, opts.label)
-    if problems["no_image"] or problems["bad_image"]:
+    if no_image or bad_image:
         log.warning(
             "%d samples have no image (%s) and %d an unreadable one: readers skip them",
-            problems["no_image"],
+            no_image,
             "/".join(opts.image_keys),
-            problems["bad_image"],
+            bad_image,
         )
     layout = SampleLayout(opts.image_keys, opts.label if class_names is not None else None)
     return Manifest(
@@ -450,8 +434,8 @@ def _manifest(
             "version": ssl_vit.__version__,
             "source": sources,
             "options": _key(opts),
-            "samples_without_image": problems["no_image"],
-            "samples_with_bad_image": problems["bad_image"],
+            "samples_without_image": no_image,
+            "samples_with_bad_image": bad_image,
             "samples_without_label": unlabelled if class_names is not None else 0,
         },
         layout=layout,

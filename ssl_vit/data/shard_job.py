@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+from tqdm import tqdm
 
 import ssl_vit
 from ssl_vit.data.blocks import block_digests
@@ -34,6 +35,7 @@ from ssl_vit.data.imaging import (
 )
 from ssl_vit.data.manifest import (
     ERRORS_NAME,
+    IMAGE_KEYS,
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
@@ -50,7 +52,8 @@ from ssl_vit.data.shard_writer import (
     verify_record,
 )
 from ssl_vit.data.sources import Listing, is_remote, open_source
-from ssl_vit.data.tar_reader import sample_offsets
+from ssl_vit.data.tar_reader import TarFormatError, _drop, read_samples, sample_offsets
+from ssl_vit.data.urls import Retry, is_missing, normalise_root, open_url, read_bytes, reason
 from ssl_vit.io import atomic_write_text
 
 WORK = ".work"
@@ -93,8 +96,6 @@ def _read(path: str, offset: int | None = None) -> bytes:
     if offset is not None:  # a sample of a WebDataset shard: its image
         return _read_sample_image(path, offset)
     if is_remote(path):  # an image of a source at a URL, read where it is
-        from ssl_vit.data.urls import is_missing, read_bytes, reason
-
         try:
             return read_bytes(path)
         except Exception as e:  # after the retries
@@ -104,22 +105,21 @@ def _read(path: str, offset: int | None = None) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
-    except PermissionError:
-        raise BadImage("unreadable file (permission denied)") from None
-    except FileNotFoundError:
-        raise BadImage("file not found (deleted, or a dangling symlink)") from None
-    except IsADirectoryError:
-        raise BadImage("is a folder, not an image file") from None
     except OSError as e:
-        raise BadImage(f"unreadable file ({e.strerror or e})") from None
+        why = _LOCAL_READ_ERRORS.get(type(e), f"unreadable file ({e.strerror or e})")
+        raise BadImage(why) from None
+
+
+# What the usual failures to read a local image file mean, as recorded in errors.jsonl.
+_LOCAL_READ_ERRORS = {
+    PermissionError: "unreadable file (permission denied)",
+    FileNotFoundError: "file not found (deleted, or a dangling symlink)",
+    IsADirectoryError: "is a folder, not an image file",
+}
 
 
 def _read_sample_image(url: str, offset: int) -> bytes:
     """The image of the sample at byte `offset` of the tar at `url` (one ranged read)."""
-    from ssl_vit.data.manifest import IMAGE_KEYS
-    from ssl_vit.data.tar_reader import TarFormatError, _drop, read_samples
-    from ssl_vit.data.urls import Retry, open_url, reason
-
     try:
         f, at = Retry().call(lambda: open_url(url, offset), url)
         with f:
@@ -158,11 +158,8 @@ class Progress:
         self.total, self.desc, self.every = total, desc, every
         self.n, self.t0 = 0, time.monotonic()
         self.last = self.t0
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit="img", smoothing=0.1)
+        on_tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=desc, unit="img", smoothing=0.1) if on_tty else None
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -188,8 +185,7 @@ class Progress:
 
 
 def fingerprint(source: Path | str, opts: ShardOptions) -> dict[str, Any]:
-    where = str(source).rstrip("/") if is_remote(source) else str(Path(source).resolve())
-    return {"source": where, "options": opts.to_json()}
+    return {"source": normalise_root(source), "options": opts.to_json()}
 
 
 def _check_output(out: Path, fp: dict[str, Any]) -> bool:
@@ -217,10 +213,11 @@ def _check_output(out: Path, fp: dict[str, Any]) -> bool:
     plan = out / WORK / "plan.json"
     if plan.is_file():
         try:
-            if json.loads(plan.read_text(encoding="utf-8")) != fp:
-                raise JobError(other)
+            planned = json.loads(plan.read_text(encoding="utf-8"))
         except ValueError:
             raise JobError(f"{plan}: unreadable; delete {out / WORK} and rerun") from None
+        if planned != fp:  # raised out here: a JobError is a ValueError too
+            raise JobError(other)
     elif any(out.glob("*.tar")):
         raise JobError(f"{out}: holds .tar files of no known shard set; choose an empty folder")
     return False
@@ -272,21 +269,12 @@ def run_job(
         if rec is None or not verify_record(work, rec, g.items_sha):
             todo.append(g)
     written = _write_groups(work, todo, opts, workers)
-    summary = Summary(0, 0, written, len(mine) - len(todo), merged=False)
+    reused = len(mine) - len(todo)
     if num_jobs == 1:
-        return merge(source, out, opts, listing, groups, reused=summary.reused_groups)
-    for g in mine:
-        rec = load_record(work, g.split, g.index)
-        if rec is not None:
-            summary.kept += rec.num_samples
-            summary.skipped += len(rec.errors)
-    return summary
-
-
-def _tasks(todo: list[Group]) -> Iterator[tuple[str | None, np.ndarray | None, bool, int | None]]:
-    for g in todo:
-        for it in g.items:
-            yield it.path, it.pixels, g.split == "train", it.offset
+        return merge(source, out, opts, listing, groups, reused=reused)
+    recs = [rec for g in mine if (rec := load_record(work, g.split, g.index)) is not None]
+    kept, skipped = sum(r.num_samples for r in recs), sum(len(r.errors) for r in recs)
+    return Summary(kept, skipped, written, reused, merged=False)
 
 
 def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: int) -> int:
@@ -296,14 +284,15 @@ def _write_groups(work: Path, todo: list[Group], opts: ShardOptions, workers: in
     progress = Progress(total, "make_shards")
     pil_limit = Image.MAX_IMAGE_PIXELS  # restored below: callers keep their own guard
     pool = None
+    tasks = ((it.path, it.pixels, g.split == "train", it.offset) for g in todo for it in g.items)
     if workers > 1:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
         pool = mp.get_context(method).Pool(workers, _init_worker, (opts.image,))
         chunk = max(1, min(256, total // (workers * 16)))
-        results: Iterator = pool.imap(_work, _tasks(todo), chunksize=chunk)
+        results: Iterator = pool.imap(_work, tasks, chunksize=chunk)
     else:
         _init_worker(opts.image)
-        results = map(_work, _tasks(todo))
+        results = map(_work, tasks)
     try:
         for g in todo:
             writer = GroupWriter(work, g.split, g.index, g.items_sha, opts.shard_bytes)
@@ -355,25 +344,21 @@ def merge(
     parts = [p for rec in records for p in rec.parts]
     every = index_stride([p.num_samples for p in parts])
     offsets = {p.name: _part_offsets(work / p.name, p.num_samples, every) for p in parts}
-    splits: dict[str, SplitInfo] = {}
-    counters: dict[str, int] = {}
+    by_split: dict[str, list[ShardInfo]] = {}
     errors = list(listing.errors)
     sizes: set[tuple[int, ...]] = set()
     mixed = False
     for rec in records:
-        shards = splits.setdefault(rec.split, SplitInfo(0, [])).shards
+        shards = by_split.setdefault(rec.split, [])
         for p in rec.parts:
-            name = f"{rec.split}-{counters.get(rec.split, 0):06d}.tar"
-            counters[rec.split] = counters.get(rec.split, 0) + 1
+            name = f"{rec.split}-{len(shards):06d}.tar"
             os.replace(work / p.name, out / name)
             shards.append(ShardInfo(name, p.num_samples, p.bytes, p.sha256, *offsets[p.name]))
         errors.extend(rec.errors)
         mixed |= rec.mixed_sizes
         if rec.image_size:
             sizes.add(tuple(rec.image_size))
-    splits = {
-        k: SplitInfo(sum(s.num_samples for s in v.shards), v.shards) for k, v in splits.items()
-    }
+    splits = {k: SplitInfo(sum(s.num_samples for s in v), v) for k, v in by_split.items()}
     channels = 1 if opts.image.mode == "L" else 3
     train_stats = [r.stats for r in records if r.split == "train" and r.stats]
     mean, std = mean_std(train_stats, channels)

@@ -60,10 +60,6 @@ class Group:
     items_sha: str
 
 
-def _unit(text: str, salt: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{salt}\0{text}".encode()).digest()[:8], "big")
-
-
 def assign_split(rel: str, fixed: str | None, val_fraction: float, test_fraction: float) -> str:
     """A stable function of the relative path: adding files never moves existing ones.
 
@@ -74,7 +70,8 @@ def assign_split(rel: str, fixed: str | None, val_fraction: float, test_fraction
         return fixed
     if val_fraction == 0 and test_fraction == 0:
         return fixed or "train"
-    u = _unit(rel, "ssl-vit-split") / 2**64  # uniform in [0, 1), independent of --seed
+    digest = hashlib.sha256(f"ssl-vit-split\0{rel}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1), independent of --seed
     if u < test_fraction:
         return "test"
     if u < test_fraction + val_fraction:
@@ -133,7 +130,8 @@ def make_plan(listing: Listing, opts: ShardOptions) -> list[Group]:
                 if k in seen:
                     raise ValueError(f"{it.rel}: key {k} collides with {seen[k]}; rename one file")
                 seen[k] = it.rel
-            pairs = zip(keys, chunk, strict=True)
-            lines = "".join(f"{k}\0{it.rel}\0{it.label}\n" for k, it in pairs).encode()
+            lines = "".join(
+                f"{k}\0{it.rel}\0{it.label}\n" for k, it in zip(keys, chunk, strict=True)
+            ).encode()
             groups.append(Group(split, gi, chunk, keys, hashlib.sha256(lines).hexdigest()))
     return groups

@@ -10,6 +10,7 @@ import json
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 from PIL import Image
@@ -40,11 +41,14 @@ class VerifyReport:
 
 
 def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[str]:
-    """Count samples (keys), check labels and decode the first image; return problems. Read
-    with our own tar reader, which ends on any input (tarfile may not, on a crafted pax
-    header)."""
+    """Count samples (keys), check labels as readers read them and decode the first image;
+    return problems. Read with our own tar reader, which ends on any input (tarfile may not, on
+    a crafted pax header)."""
+    from ssl_vit.data.augment import sample_label  # (imports torch: only when verifying)
+
     problems: list[str] = []
     count, bad, first = 0, [], None
+    labelled = m.class_names is not None and m.layout.label is not None
     try:
         for sample in iter_samples(path):
             count += 1
@@ -54,9 +58,11 @@ def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[s
                 bad.append(key)
             elif first is None:
                 first = (f"{key}.{images[0]}", sample[images[0]])
-            wrong = _bad_label(sample, m)
-            if wrong:
-                problems.append(f"{path.name}: {key}{wrong}")
+            if labelled:
+                try:
+                    sample_label(sample, labelled=True, num_classes=m.num_classes, layout=m.layout)
+                except ValueError as e:  # CorruptSample, LabelOutOfRange: "KEY: what is wrong"
+                    problems.append(f"{path.name}: {e}")
     except TarFormatError as e:
         return [f"{path.name}: unreadable tar ({e})"]
     if count != expected:
@@ -78,32 +84,6 @@ def _check_shard(path: Path, m: Manifest, expected: int, decode: bool) -> list[s
     return problems
 
 
-def _bad_label(sample: dict, m: Manifest) -> str | None:
-    """What is wrong with a sample's label in a labelled set (None: nothing), read from the
-    field the manifest's layout names."""
-    field = m.layout.label
-    if m.class_names is None or field is None:
-        return None
-    if field.startswith("json:"):
-        try:
-            value = json.loads(sample.get("json", b"{}")).get(field[5:])
-        except (ValueError, AttributeError, RecursionError):
-            return ".json is not a JSON object"
-        if isinstance(value, str) and value in (m.layout.classes or {}):
-            return None
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        if ok and 0 <= value < len(m.class_names):
-            return None
-        return f".json {field[5:]!r} = {str(value)[:20]!r} is not a class of the manifest"
-    if field not in sample:
-        return f" has no .{field}"
-    label = sample[field].strip()
-    if not label.isdigit() or int(label) >= len(m.class_names):
-        shown = label[:20].decode("ascii", "backslashreplace")
-        return f".{field} = {shown} is not a class index"
-    return None
-
-
 def _check_file(path: Path | None, sh: ShardInfo, m: Manifest, decode: bool) -> list[str]:
     """Size, sha256, contents and offset index of one shard (a local file)."""
     if path is None:
@@ -117,9 +97,11 @@ def _check_file(path: Path | None, sh: ShardInfo, m: Manifest, decode: bool) -> 
     if not problems and sh.block_sha256 is not None and sh.offsets is not None:
         with open(path, "rb") as f:
             actual = block_digests(f, sh.offsets, size)
-        wrong = [i for i, (a, b) in enumerate(zip(actual, sh.block_sha256, strict=False)) if a != b]
-        if wrong or len(actual) != len(sh.block_sha256):
-            k = wrong[0] if wrong else min(len(actual), len(sh.block_sha256))
+        # the first block that differs, or that one of the two lists lacks (None)
+        k = next(
+            (i for i, (a, b) in enumerate(zip_longest(actual, sh.block_sha256)) if a != b), None
+        )
+        if k is not None:
             problems.append(f"{sh.name}: block_sha256[{k}] does not match; re-create the set")
     return _check_shard(path, m, sh.num_samples, decode) + problems
 
@@ -191,13 +173,9 @@ def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
             "--check gives a config's figure)"
         )
         report.lines.append(f"range requests: {'answered' if ranged else 'ignored'}; {factor}")
-    listed: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="verify-shards-") as tmp:
         for split, info in m.splits.items():
-            total_bytes = 0
             for sh in info.shards:
-                listed.add(sh.name)
-                total_bytes += sh.bytes
                 try:
                     with _local_copy(root, sh.name, Path(tmp)) as path:
                         report.problems.extend(_check_file(path, sh, m, decode))
@@ -205,7 +183,7 @@ def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
                     report.problems.append(f"{sh.name}: unreadable ({type(e).__name__}: {e})")
             report.lines.append(
                 f"{split:>6}: {info.num_samples} samples in {len(info.shards)} shards, "
-                f"{total_bytes / 1e6:.1f} MB"
+                f"{sum(sh.bytes for sh in info.shards) / 1e6:.1f} MB"
             )
     try:
         errors: str | None = read_bytes(join(root, ERRORS_NAME)).decode("utf-8")
@@ -226,6 +204,7 @@ def verify_shard_set(root: str | Path, *, decode: bool = True) -> VerifyReport:
     folder = local_path(root)
     if folder is not None and not has_braces(str(m.source)):
         # a listing of a remote prefix is not looked for, nor strays of a pattern's subset
+        listed = {sh.name for info in m.splits.values() for sh in info.shards}
         stray = sorted(p.name for p in folder.glob("*.tar") if p.name not in listed)
         if stray:
             report.warnings.append(f"{len(stray)} .tar files not in the manifest (e.g. {stray[0]})")
@@ -256,8 +235,7 @@ def add_block_checksums(root: str | Path) -> int:
     for info in m.splits.values():
         for i, sh in enumerate(info.shards):
             if sh.block_sha256 is None and sh.offsets is not None:
-                path = Path(join(str(folder), sh.name))
-                with open(path, "rb") as f:
+                with open(join(str(folder), sh.name), "rb") as f:
                     digests = block_digests(f, sh.offsets, sh.bytes)
                 info.shards[i] = dataclasses.replace(sh, block_sha256=digests)
                 added += 1

@@ -9,6 +9,7 @@ on a rerun a group whose record and parts verify is kept, anything else is rewri
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ssl_vit.data.imaging import histogram_stats
 from ssl_vit.io import atomic_write_text, sha256_file
 
 _BLOCK = 512
@@ -78,24 +80,18 @@ _ZEROS = bytes(_BLOCK)
 _FLUSH = 4 << 20  # write in 4 MiB pieces: few syscalls, bounded memory
 
 
-# One background thread writes and hashes full buffers (both release the GIL), so disk and
-# sha256 overlap with encoding; at most one buffer is in flight, which bounds memory.
-_IO: ThreadPoolExecutor | None = None
-
-
+@functools.cache
 def _io() -> ThreadPoolExecutor:
-    global _IO
-    if _IO is None:
-        _IO = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io")
-    return _IO
+    """One background thread writes and hashes full buffers (both release the GIL), so disk
+    and sha256 overlap with encoding; at most one buffer is in flight, which bounds memory."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io")
 
 
 def shutdown_io() -> None:
-    """Join the writer thread (call before forking worker processes again)."""
-    global _IO
-    if _IO is not None:
-        _IO.shutdown(wait=True)
-        _IO = None
+    """Join the writer thread, if one was made (call before forking worker processes again)."""
+    if _io.cache_info().currsize:
+        _io().shutdown(wait=True)
+        _io.cache_clear()
 
 
 class _PartFile:
@@ -107,8 +103,7 @@ class _PartFile:
         self.h = hashlib.sha256()
         self.buf = bytearray()
         self.pending: Future | None = None
-        self.bytes = 0
-        self.num_samples = 0
+        self.bytes = self.num_samples = 0
 
     def write(self, blob: bytes) -> None:
         self.buf += blob
@@ -222,15 +217,7 @@ class GroupWriter:
             )
         size = next(iter(self.sizes)) if len(self.sizes) == 1 else None
         self._fold()
-        stats = None
-        if self.hist is not None:
-            counts = self.hist.reshape(-1, 256)  # (C, 256)
-            v = np.arange(256, dtype=np.int64)
-            stats = {  # exact integers: merging groups in any order gives the same mean/std
-                "pixels": int(counts[0].sum()),
-                "sums": [int(x) for x in counts @ v],
-                "squares": [int(x) for x in counts @ (v * v)],
-            }
+        stats = None if self.hist is None else histogram_stats(self.hist)
         rec = GroupRecord(
             self.split,
             self.group,
@@ -257,12 +244,11 @@ def load_record(work: Path, split: str, group: int) -> GroupRecord | None:
 
 def verify_record(work: Path, rec: GroupRecord, items_sha: str, *, hash_parts: bool = True) -> bool:
     """True when the record belongs to these inputs and every part is intact."""
-    if rec.items_sha != items_sha:
-        return False
-    for p in rec.parts:
+
+    def intact(p: PartInfo) -> bool:
         path = work / p.name
         if not path.is_file() or path.stat().st_size != p.bytes:
             return False
-        if hash_parts and sha256_file(path) != p.sha256:
-            return False
-    return True
+        return not hash_parts or sha256_file(path) == p.sha256
+
+    return rec.items_sha == items_sha and all(intact(p) for p in rec.parts)

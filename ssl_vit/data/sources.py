@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ssl_vit.data.urls import Retry, has_braces, join, list_folder, open_url, read_bytes, reason
+
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm"}
 )
@@ -135,56 +137,44 @@ def is_remote(source: str | os.PathLike) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def _top_folders(rels: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
-    """The (top folder, split) groups of a folder's image paths: ImageNet-style train/val
-    folders keep their own split, anything else is one group (split by hash later)."""
-    subdirs = sorted({r.split("/", 1)[0] for r in rels if "/" in r})
-    split_layout = bool(subdirs) and all(d.lower() in SPLIT_FOLDERS for d in subdirs)
-    if split_layout:
-        return [(d, SPLIT_FOLDERS[d.lower()]) for d in subdirs], True
-    return [("", None)], False
+def _top_folders(subdirs: list[str]) -> list[tuple[str, str | None]]:
+    """The (top folder, split) groups of an image folder with these sorted subfolders:
+    ImageNet-style train/val folders keep their own split; anything else is one group ("", split
+    by hash later)."""
+    if subdirs and all(d.lower() in SPLIT_FOLDERS for d in subdirs):
+        return [(d, SPLIT_FOLDERS[d.lower()]) for d in subdirs]
+    return [("", None)]
 
 
 def _image_folder(root: Path, *, follow_symlinks: bool) -> Listing:
     root_real = root.resolve()
     errors: list[dict[str, str]] = []
     subdirs = sorted(e.name for e in os.scandir(root) if _is_dir(e) and not e.name.startswith("."))
-    split_layout = bool(subdirs) and all(d.lower() in SPLIT_FOLDERS for d in subdirs)
-    tops = [(d, SPLIT_FOLDERS[d.lower()]) for d in subdirs] if split_layout else [("", None)]
     groups = [(top, split, _walk(root, top, root_real, follow_symlinks, errors))
-              for top, split in tops]  # fmt: skip
+              for top, split in _top_folders(subdirs)]  # fmt: skip
     return _class_folders(groups, errors, lambda rel: str(root / rel))
 
 
 def _remote_image_folder(url: str) -> Listing:
     """An image folder at a URL, listed once (fsspec's `find`: a paged listing on object
     storage); its files are read by the shard workers from where they are."""
-    import fsspec
-
-    from ssl_vit.data.urls import Retry, reason
-
     root = url.rstrip("/")
     try:
-        fs, path = fsspec.core.url_to_fs(root)
-        found = Retry().call(lambda: fs.find(path), root)
+        found = list_folder(root, recursive=True)
     except Exception as e:  # a bucket or server that cannot be listed, after the retries
         raise SourceError(f"{root}: cannot be listed ({reason(e)}); check the URL and the "
                           "credentials") from None  # fmt: skip
-    prefix = path.rstrip("/") + "/"
-    rels = sorted(
-        str(f)[len(prefix) :]
-        for f in found
-        if str(f).startswith(prefix)
-        and Path(str(f)).suffix.lower() in IMAGE_EXTENSIONS
-        and not any(part.startswith(".") for part in str(f)[len(prefix) :].split("/"))
-    )
+    rels = [
+        r
+        for r in found
+        if Path(r).suffix.lower() in IMAGE_EXTENSIONS
+        and not any(part.startswith(".") for part in r.split("/"))
+    ]
     if not rels:
         raise SourceError(f"{root}: no image files found there; check the URL")
-    tops, split_layout = _top_folders(rels)
-    groups = [
-        (top, split, [r for r in rels if not split_layout or r.split("/", 1)[0] == top])
-        for top, split in tops
-    ]
+    tops = _top_folders(sorted({r.split("/", 1)[0] for r in rels if "/" in r}))
+    groups = [(top, split, [r for r in rels if not top or r.split("/", 1)[0] == top])
+              for top, split in tops]  # fmt: skip
     return _class_folders(groups, [], lambda rel: f"{root}/{rel}")
 
 
@@ -196,27 +186,19 @@ def _class_folders(
     """Items of an image folder's files (relative paths under each top folder): the classes
     are the sorted union of second-level folder names over every split; `locate(rel)` is where
     a file is read from."""
-    class_set: set[str] = set()
-    flat = True
-    for top, _, files in groups:
-        for rel in files:
-            inner = rel[len(top) + 1 :] if top else rel
-            if "/" in inner:
-                flat = False
-                class_set.add(inner.split("/", 1)[0])
-    names = None if flat else sorted(class_set)
+    # (rel, split, its path inside the top folder cut at the first "/": [class, rest] or [file])
+    files = [(rel, split, (rel[len(top) + 1 :] if top else rel).split("/", 1))
+             for top, split, rels in groups for rel in rels]  # fmt: skip
+    names = sorted({inner[0] for _, _, inner in files if len(inner) == 2}) or None
     index = {n: i for i, n in enumerate(names or [])}
     items: list[Item] = []
-    for top, split, files in groups:
-        for rel in files:
-            inner = rel[len(top) + 1 :] if top else rel
-            label = None
-            if names is not None:
-                if "/" not in inner:
-                    errors.append(_err(rel, "file beside the class folders has no class; move it"))
-                    continue
-                label = index[inner.split("/", 1)[0]]
-            items.append(Item(rel, label, locate(rel), split=split))
+    for rel, split, inner in files:
+        if names is None:
+            items.append(Item(rel, None, locate(rel), split=split))
+        elif len(inner) == 2:
+            items.append(Item(rel, index[inner[0]], locate(rel), split=split))
+        else:
+            errors.append(_err(rel, "file beside the class folders has no class; move it"))
     return Listing("folder", items, errors, names, grayscale=False)
 
 
@@ -304,23 +286,16 @@ def _csv_rows(path: Path, text: str) -> list[_Row]:
         )
     else:
         col = {"path": 0, "label": 1}
-    rows = []
-    for r in table:
-        cell = {k: r[i].strip() for k, i in col.items() if i < len(r)}
-        rows.append((cell.get("path", ""), cell.get("label"), cell.get("split") or None))
-    return rows
+    cells = [{k: r[i].strip() for k, i in col.items() if i < len(r)} for r in table]
+    return [(c.get("path", ""), c.get("label"), c.get("split") or None) for c in cells]
 
 
-def _txt_rows(text: str) -> list[_Row]:
+def _txt_rows(path: Path, text: str) -> list[_Row]:
     """ "path" or "path<TAB>label" (without a tab, a last blank-separated token is one)."""
-    rows = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split("\t") if "\t" in line else line.rsplit(None, 1)
-        rows.append((parts[0].strip(), parts[1].strip() if len(parts) > 1 else None, None))
-    return rows
+    lines = [ln.strip() for ln in text.splitlines()]
+    rows = [ln.split("\t") if "\t" in ln else ln.rsplit(None, 1)
+            for ln in lines if ln and not ln.startswith("#")]  # fmt: skip
+    return [(r[0].strip(), r[1].strip() if len(r) > 1 else None, None) for r in rows]
 
 
 def _class_names(path: Path, rows: list[_Row]) -> tuple[list[str] | None, bool]:
@@ -342,8 +317,6 @@ def _list_file(where: Path | str) -> Listing:
     """Rows of (path, optional label, optional split); paths are relative to the list's folder
     (a list file at a URL: to that URL's folder), or URLs of images read where they are."""
     if isinstance(where, str):  # a URL
-        from ssl_vit.data.urls import read_bytes, reason
-
         try:
             text = read_bytes(where).decode("utf-8-sig")
         except Exception as e:  # after the retries; not UTF-8
@@ -352,13 +325,8 @@ def _list_file(where: Path | str) -> Listing:
     else:
         path, base = where, None
         text = path.read_text(encoding="utf-8-sig")
-    ext = path.suffix.lower()
-    if ext == ".jsonl":
-        rows = _jsonl_rows(path, text)
-    elif ext == ".csv":
-        rows = _csv_rows(path, text)
-    else:
-        rows = _txt_rows(text)
+    parse = {".jsonl": _jsonl_rows, ".csv": _csv_rows}.get(path.suffix.lower(), _txt_rows)
+    rows = parse(path, text)
     names, numeric = _class_names(path, rows)
     index = {n: i for i, n in enumerate(names or [])}
     items: list[Item] = []
@@ -380,8 +348,8 @@ def _list_file(where: Path | str) -> Listing:
             url = p if is_remote(p) else f"{base}/{p.lstrip('/')}"
             # a list read from a server is data: it names files beside it or on web servers,
             # never this machine's files nor buckets the user's credentials open
-            web = p.startswith(("http://", "https://"))
-            if base is not None and (".." in p.split("/") or is_remote(p) and not web):
+            foreign = is_remote(p) and not p.startswith(("http://", "https://"))
+            if base is not None and (".." in p.split("/") or foreign):
                 errors.append(_err(rel, "a list file at a URL names only http(s) URLs and paths"))
                 continue
             items.append(Item(p, label, url, split=fixed))
@@ -397,27 +365,18 @@ def _list_file(where: Path | str) -> Listing:
 def _is_webdataset(source: str) -> bool:
     """A WebDataset set as a source: a brace pattern or a .tar URL or path, or a folder (local or
     on object storage) of .tar files and no images."""
-    from ssl_vit.data.urls import has_braces
-
     if has_braces(source) or source.endswith(".tar"):
         return True
-    if not is_remote(source):
-        folder = Path(source)
-        if not folder.is_dir():
-            return False
-        names = [p.name.lower() for p in folder.iterdir()]
-    elif source.startswith(("http://", "https://")):
+    if source.startswith(("http://", "https://")):
         return False  # a web server cannot be listed: give a pattern
-    else:
-        import fsspec
-
-        try:
-            fs, path = fsspec.core.url_to_fs(source)
-            names = [str(n).rsplit("/", 1)[-1].lower() for n in fs.ls(path, detail=False)]
-        except Exception:  # the image folder listing reports it
-            return False
-    has_tars = any(n.endswith(".tar") for n in names)
-    return has_tars and not any(Path(n).suffix in IMAGE_EXTENSIONS for n in names)
+    if not is_remote(source) and not Path(source).is_dir():
+        return False
+    try:
+        names = [n.lower() for n in list_folder(source, retry=Retry(attempts=1))]
+    except Exception:  # the image folder listing reports it, after its retries
+        return False
+    images = any(Path(n).suffix in IMAGE_EXTENSIONS for n in names)
+    return not images and any(n.endswith(".tar") for n in names)
 
 
 def _webdataset_set(source: str) -> Listing:
@@ -427,30 +386,35 @@ def _webdataset_set(source: str) -> Listing:
     from concurrent.futures import ThreadPoolExecutor
 
     from ssl_vit.data.index_in_place import IndexJobError, list_shards
-    from ssl_vit.data.tar_reader import read_samples
-    from ssl_vit.data.urls import Retry, join, open_url
+    from ssl_vit.data.tar_reader import TarFormatError, read_samples
 
     try:
         root, names = list_shards(source)
     except IndexJobError as e:
         raise SourceError(str(e)) from None
 
-    def samples(name: str) -> list[tuple[str, int, int | None]]:
+    def samples(name: str) -> list[tuple[str, int, int | None]] | str:
+        """(key, offset, label) of each sample of a shard, or why the shard cannot be read (a
+        reason recorded in errors.jsonl, as a bad image's is)."""
         url = join(root, name)
-        f, _ = Retry().call(lambda: open_url(url), url)
         out = []
-        with f:
-            for at, sample in read_samples(f, url):
-                if sample is None:
-                    continue
-                raw = sample.get("cls", b"").strip()
-                out.append((sample["__key__"], at, int(raw) if raw.isdigit() else None))
+        try:
+            f, _ = Retry().call(lambda: open_url(url), url)
+            with f:
+                for at, sample in read_samples(f, url):
+                    if sample is not None:
+                        raw = sample.get("cls", b"").strip()
+                        out.append((sample["__key__"], at, int(raw) if raw.isdigit() else None))
+        except TarFormatError as e:
+            return f"unreadable tar ({e})"
+        except Exception as e:  # a read that failed after its retries
+            return f"unreadable ({reason(e)})"
         return out
 
     items: list[Item] = []
     errors: list[dict[str, str]] = []
     with ThreadPoolExecutor(8) as pool:
-        for name, listed in zip(names, pool.map(_or_reason(samples), names), strict=True):
+        for name, listed in zip(names, pool.map(samples, names), strict=True):
             if isinstance(listed, str):
                 errors.append(_err(name, listed))
                 continue
@@ -464,23 +428,6 @@ def _webdataset_set(source: str) -> Listing:
         )
     classes = [str(i) for i in range(max(labels) + 1)] if labels else None
     return Listing("webdataset", items, errors, classes, grayscale=False, numeric_labels=True)
-
-
-def _or_reason(fn):
-    """fn, returning a one-line reason instead of raising (a shard that cannot be read is
-    recorded in errors.jsonl, as a bad image is)."""
-    from ssl_vit.data.tar_reader import TarFormatError
-    from ssl_vit.data.urls import reason
-
-    def call(name: str):
-        try:
-            return fn(name)
-        except TarFormatError as e:
-            return f"unreadable tar ({e})"
-        except Exception as e:  # a read that failed after its retries
-            return f"unreadable ({reason(e)})"
-
-    return call
 
 
 def _idx_pairs(folder: Path) -> dict[str, tuple[Path, Path | None]]:
@@ -499,21 +446,20 @@ def _idx_pairs(folder: Path) -> dict[str, tuple[Path, Path | None]]:
     return pairs
 
 
-def _read_idx(path: Path, ndim: int) -> tuple[np.ndarray, bytes]:
+def _read_idx(path: Path, ndim: int) -> np.ndarray:
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
             raw = f.read()
     except (OSError, EOFError) as e:
         raise SourceError(f"{path}: cannot read IDX file ({e})") from None
-    magic = 0x0800 + ndim
-    if len(raw) < 4 + 4 * ndim or int.from_bytes(raw[:4], "big") != magic:
+    if len(raw) < 4 + 4 * ndim or int.from_bytes(raw[:4], "big") != 0x0800 + ndim:
         raise SourceError(f"{path}: not an unsigned-byte IDX file with {ndim} dimensions")
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     body = raw[4 + 4 * ndim :]
     if len(body) != int(np.prod(dims)):
         raise SourceError(f"{path}: truncated IDX file (header says {dims}, got {len(body)} bytes)")
-    return np.frombuffer(body, dtype=np.uint8).reshape(dims), body
+    return np.frombuffer(body, dtype=np.uint8).reshape(dims)
 
 
 def _idx_folder(folder: Path) -> Listing:
@@ -521,15 +467,13 @@ def _idx_folder(folder: Path) -> Listing:
     recognised_fashion = "fashion" in folder.resolve().as_posix().lower()
     has_labels = True
     for split, (img_path, lab_path) in sorted(_idx_pairs(folder).items()):
-        images, _ = _read_idx(img_path, 3)  # (N, H, W)
-        labels = None
-        if lab_path is None:
-            has_labels = False
-        else:
-            labels, body = _read_idx(lab_path, 1)  # (N,)
+        images = _read_idx(img_path, 3)  # (N, H, W)
+        labels = None if lab_path is None else _read_idx(lab_path, 1)  # (N,)
+        has_labels &= labels is not None
+        if labels is not None:
             if len(labels) != len(images):
                 raise SourceError(f"{lab_path}: {len(labels)} labels for {len(images)} images")
-            recognised_fashion |= hashlib.md5(body).hexdigest() in _FASHION_LABEL_MD5
+            recognised_fashion |= hashlib.md5(labels.tobytes()).hexdigest() in _FASHION_LABEL_MD5
         for i in range(len(images)):
             rel = f"{img_path.name}#{i}"
             lab = None if labels is None else int(labels[i])
@@ -538,7 +482,5 @@ def _idx_folder(folder: Path) -> Listing:
     if has_labels:
         top = max((it.label for it in items if it.label is not None), default=-1) + 1
         names = FASHION_MNIST_CLASSES if recognised_fashion else MNIST_CLASSES
-        if top > len(names):
-            names = [str(i) for i in range(top)]
-        names = list(names)
+        names = list(names) if top <= len(names) else [str(i) for i in range(top)]
     return Listing("idx", items, [], names, grayscale=True, numeric_labels=True)

@@ -158,14 +158,14 @@ class Retry:
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """fn(), tried again after transient errors; the last error is raised as it was."""
-        for attempt in range(self.attempts):
+        for attempt in range(self.attempts - 1):
             try:
                 return fn()
             except Exception as e:
-                if is_missing(e) or attempt + 1 >= self.attempts:
+                if is_missing(e):
                     raise
                 time.sleep(self.backoff * 2**attempt)
-        raise AssertionError("unreachable")
+        return fn()  # the last try: its error is raised as it was
 
 
 def is_missing(error: BaseException | None) -> bool:
@@ -205,12 +205,10 @@ def _server(url: str) -> str:
     return url.split("://", 1)[-1].split("/", 1)[0]
 
 
-def note_no_range(error: BaseException | None, url: str) -> bool:
-    """Whether `error` is fsspec's word that the server of `url` ignores Range headers; if so,
-    later opens of its files read from the start (logged once per server)."""
-    if not isinstance(error, ValueError) or "support range requests" not in str(error):
-        return False
-    if _server(url) in _NO_RANGE:  # known already, yet it failed so: a real failure
+def _mark_no_range(url: str) -> bool:
+    """Record that the server of `url` ignores Range headers: later opens of its files read
+    from the start (logged once per server). False where it was known already."""
+    if _server(url) in _NO_RANGE:
         return False
     _NO_RANGE.add(_server(url))
     log.warning(
@@ -221,12 +219,19 @@ def note_no_range(error: BaseException | None, url: str) -> bool:
     return True
 
 
+def note_no_range(error: BaseException | None, url: str) -> bool:
+    """Whether `error` is fsspec's word that the server of `url` ignores Range headers; if so,
+    later opens of its files read from the start. A server known already to ignore them that
+    fails so again has failed for real (False)."""
+    if not isinstance(error, ValueError) or "support range requests" not in str(error):
+        return False
+    return _mark_no_range(url)
+
+
 def ranged(url: str) -> bool:
     """Whether a reader of `url` can start inside the file: false for a pipe and for a web
     server found to ignore Range requests (probe_range, note_no_range)."""
-    if is_pipe(url):
-        return False
-    return "://" not in url or _server(url) not in _NO_RANGE
+    return not is_pipe(url) and ("://" not in url or _server(url) not in _NO_RANGE)
 
 
 def probe_range(url: str, retry: Retry | None = None) -> bool | None:
@@ -244,13 +249,8 @@ def probe_range(url: str, retry: Retry | None = None) -> bool | None:
             ok = answer.status == 206
     except Exception:  # a missing file or a refused connection: reported by the callers
         return None
-    if not ok and _server(url) not in _NO_RANGE:
-        _NO_RANGE.add(_server(url))
-        log.warning(
-            "%s: the server ignores Range requests; its shards are read from their start, "
-            "skipping to where each read begins (more bytes read, see data/gbytes_read)",
-            _server(url),
-        )
+    if not ok:
+        _mark_no_range(url)
     return ok
 
 
@@ -281,7 +281,6 @@ def _fsspec_open(url: str, retry: Retry, stream: bool = False):
     import fsspec
 
     protocol = url.split("://", 1)[0]
-    timeout = retry.timeout
     options: dict = {}
     if protocol in ("http", "https"):
         import aiohttp
@@ -289,11 +288,11 @@ def _fsspec_open(url: str, retry: Retry, stream: bool = False):
         # A stall of `timeout` seconds fails a request, and so does one slower than min_rate
         # in all (`deadline`): fsspec reads a shard in requests of one block each.
         limits = aiohttp.ClientTimeout(
-            total=retry.deadline, sock_connect=timeout, sock_read=timeout
+            total=retry.deadline, sock_connect=retry.timeout, sock_read=retry.timeout
         )
         options["client_kwargs"] = {"timeout": limits}
     elif protocol == "s3":
-        options["config_kwargs"] = {"read_timeout": timeout, "connect_timeout": timeout}
+        options["config_kwargs"] = {"read_timeout": retry.timeout, "connect_timeout": retry.timeout}
     fs, path = fsspec.core.url_to_fs(url, **options)
     return fs.open(path, "rb", block_size=0 if stream else _REMOTE_BLOCK)
 
@@ -322,15 +321,14 @@ def open_url(url: str, start: int = 0, *, retry: Retry | None = None) -> tuple[I
 
 def read_bytes(url: str, retry: Retry | None = None) -> bytes:
     """The whole file at `url` (a manifest, say), retried like shard reads."""
-
-    def read() -> bytes:
-        f, _ = open_url(url, retry=retry)
-        with f:
-            return f.read()
-
     path = local_path(url)
     if path is not None:
         return path.read_bytes()
+
+    def read() -> bytes:
+        with open_url(url, retry=retry)[0] as f:
+            return f.read()
+
     return (retry or Retry()).call(read, url)
 
 
@@ -338,6 +336,26 @@ def exists(url: str) -> bool | None:
     """Whether a file exists: answered for local files; None (unknown until read) otherwise."""
     path = local_path(url)
     return path.is_file() if path is not None else None
+
+
+def list_folder(url: str, *, recursive: bool = False, retry: Retry | None = None) -> list[str]:
+    """The sorted names in the folder at `url` (local, object storage, or a web server's HTML
+    index where fsspec reads one). `recursive` (remote folders only: sources.py walks local ones
+    itself, minding symlinks): the relative paths of every file below it, in a paged listing on
+    object storage. Remote listings are retried."""
+    folder = local_path(url)
+    if folder is not None:
+        return sorted(os.listdir(folder))
+    if is_pipe(url):
+        raise ValueError(f"{url}: a pipe cannot be listed; give the folder or URL it reads")
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    found = (retry or Retry()).call(
+        lambda: fs.find(path) if recursive else fs.ls(path, detail=False), url
+    )
+    prefix = path.rstrip("/") + "/"
+    return sorted(str(f)[len(prefix) :] for f in found if str(f).startswith(prefix))
 
 
 def _head(url: str, retry: Retry) -> int | None:
@@ -375,6 +393,5 @@ def remote_sizes(urls: list[str], retry: Retry | None = None, workers: int = 16)
         fs.invalidate_cache(path)  # fsspec keeps listings: this one must be of now
         listed = retry.call(lambda fs=fs, path=path: fs.ls(path, detail=True), folder)
         found = {str(e["name"]).rsplit("/", 1)[-1]: e.get("size") for e in listed}
-        for u in members:
-            out[u] = found.get(u.rsplit("/", 1)[-1])
+        out.update({u: found.get(u.rsplit("/", 1)[-1]) for u in members})
     return out
