@@ -246,14 +246,13 @@ def extract_with(
     done = 0
     for images, y in batches:
         x = images.to(device, non_blocking=True).float().div_(255.0)  # (B, C, H, W)
-        if x.shape[1] != backbone.in_chans:
-            if x.shape[1] == 1 and backbone.in_chans == 3:
-                x = x.expand(-1, 3, -1, -1)
-            else:
-                raise FeatureError(
-                    f"{backbone.source}: backbone takes {backbone.in_chans} channels, the "
-                    f"shards have {x.shape[1]}; use a backbone trained on this kind of image"
-                )
+        if x.shape[1] == 1 and backbone.in_chans == 3:
+            x = x.expand(-1, 3, -1, -1)
+        elif x.shape[1] != backbone.in_chans:
+            raise FeatureError(
+                f"{backbone.source}: backbone takes {backbone.in_chans} channels, the "
+                f"shards have {x.shape[1]}; use a backbone trained on this kind of image"
+            )
         if x.shape[-2:] != (backbone.img_size, backbone.img_size):
             size = (backbone.img_size, backbone.img_size)
             x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
@@ -326,12 +325,12 @@ def feature_fields(
     bf16: bool,
 ) -> dict[str, Any]:
     """What determines a split's features: their cache key (`cached`)."""
-    name = pool if pool != "lastn" else f"lastn{n_last}"
     return {
         "backbone": backbone.ident,
         "manifest_sha256": load_manifest(manifest_root).sha256,
         "split": split,
-        "pool": readout_name(name, layer),  # the last block's keys are those of before layers
+        # the last block's keys are those of before layers
+        "pool": readout_name(pool if pool != "lastn" else f"lastn{n_last}", layer),
         "img_size": backbone.img_size,
         # bf16 features differ in the last bits, and GPU kernels from CPU ones: a cached
         # file answers only for the arithmetic that made it

@@ -120,9 +120,8 @@ def knn_vote(
     """Class scores (Q, C): sum over the k nearest of exp(sim / T) into each neighbour's class."""
     s = torch.as_tensor(sims)[:, :k].double()  # (Q, k)
     lab = torch.as_tensor(neighbour_labels)[:, :k].long()  # (Q, k)
-    w = torch.exp(s / temperature)
     scores = torch.zeros(s.shape[0], num_classes, dtype=torch.float64)
-    return scores.scatter_add_(1, lab, w)  # (Q, C)
+    return scores.scatter_add_(1, lab, torch.exp(s / temperature))  # (Q, C)
 
 
 def topk_accuracy(scores: torch.Tensor, labels: np.ndarray | torch.Tensor, k: int) -> float:
@@ -134,8 +133,7 @@ def topk_accuracy(scores: torch.Tensor, labels: np.ndarray | torch.Tensor, k: in
 
 def recall_at_k(neighbour_labels: np.ndarray, query_labels: np.ndarray, k: int) -> float:
     """Share of queries with a same-class gallery item among their k nearest."""
-    hit = neighbour_labels[:, :k] == query_labels[:, None]
-    return float(hit.any(axis=1).mean())
+    return float((neighbour_labels[:, :k] == query_labels[:, None]).any(axis=1).mean())
 
 
 def map_at_r(neighbour_labels: np.ndarray, query_labels: np.ndarray, r: np.ndarray) -> float:
@@ -146,8 +144,7 @@ def map_at_r(neighbour_labels: np.ndarray, query_labels: np.ndarray, r: np.ndarr
     """
     rel = neighbour_labels == query_labels[:, None]  # (Q, K)
     ranks = np.arange(1, rel.shape[1] + 1)
-    in_r = ranks[None, :] <= r[:, None]  # only the first R ranks count
-    rel = rel & in_r
+    rel &= ranks[None, :] <= r[:, None]  # only the first R ranks count
     prec = np.cumsum(rel, axis=1) / ranks[None, :]
     ap = (prec * rel).sum(axis=1) / np.maximum(r, 1)
     return float(ap[r > 0].mean())
@@ -161,8 +158,7 @@ def _exact_map_at_r(
     chunk: int = 512,
 ) -> float:
     """mAP@R with exact neighbours; R can be thousands, so ranks come from a torch top-R."""
-    counts = np.bincount(gallery_labels, minlength=int(query_labels.max()) + 1)
-    r = counts[query_labels]
+    r = np.bincount(gallery_labels, minlength=int(query_labels.max()) + 1)[query_labels]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.from_numpy(gallery).to(dev)
     gl = torch.from_numpy(gallery_labels)
@@ -220,8 +216,7 @@ def knn_eval(
         ids = np.where(missing, 0, ids)
     nb_labels = train_labels[ids]  # (Q, kmax)
     for k in ks:
-        k_eff = min(k, kmax)
-        scores = knn_vote(sims, nb_labels, k_eff, num_classes, temperature)
+        scores = knn_vote(sims, nb_labels, min(k, kmax), num_classes, temperature)
         out[f"knn_top1@k={k}"] = topk_accuracy(scores, test_labels, 1)
         out[f"knn_top5@k={k}"] = topk_accuracy(scores, test_labels, 5)
     if retrieval:

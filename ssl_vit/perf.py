@@ -181,8 +181,10 @@ def mfu_denominator(device_name: str | None, dtype: str, measured: float) -> tup
             f"the published dense {dtype} peak of the {name}: {flops / 1e12:g} TFLOP/s ({source})",
         )
     where = f"{device_name} has no published peak in ssl_vit/perf.py" if device_name else "a CPU"
-    tflops = measured / 1e12
-    return measured, f"the {dtype} matmul peak measured at start: {tflops:.3g} TFLOP/s ({where})"
+    return (
+        measured,
+        f"the {dtype} matmul peak measured at start: {measured / 1e12:.3g} TFLOP/s ({where})",
+    )
 
 
 def mfu_peaks(precision: str, device: torch.device) -> tuple[float, float, str]:
@@ -190,8 +192,9 @@ def mfu_peaks(precision: str, device: torch.device) -> tuple[float, float, str]:
     now that `train/mfu_measured` divides by, a phrase naming the first) for a run training in
     `precision` on `device`; both in the arithmetic of the run's matmuls (`matmul_dtype`)."""
     dtype = matmul_dtype(precision, device)
-    n = 4096 if device.type == "cuda" else 1024
-    measured = measure_matmul_peak(TORCH_DTYPES[dtype], device, n=n)
+    measured = measure_matmul_peak(
+        TORCH_DTYPES[dtype], device, n=4096 if device.type == "cuda" else 1024
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak, why = mfu_denominator(name, dtype, measured)
     return peak, measured, why

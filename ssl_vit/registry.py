@@ -52,8 +52,7 @@ class ResolvedExport:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("SSL_VIT_MLFLOW_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "ssl-vit" / "mlflow"
+    return Path(os.environ.get("SSL_VIT_MLFLOW_CACHE") or Path.home() / ".cache/ssl-vit/mlflow")
 
 
 def resolve_export(source: str | os.PathLike, *, tracking_uri: str | None = None) -> ResolvedExport:
@@ -132,9 +131,8 @@ def _model_version(client: Any, uri: str, store: str, name: str, version: str, a
             return client.get_model_version_by_alias(name, alias)
     if version == "latest":
         return max(versions, key=lambda v: int(v.version))
-    for v in versions:
-        if str(v.version) == version:
-            return v
+    if found := [v for v in versions if str(v.version) == version]:
+        return found[0]
     raise ArtifactError(f"{uri}: registered model {name!r} has no version {version}; it has {have}")
 
 
@@ -145,12 +143,11 @@ def _check_names(uri: str, names: set[str]) -> None:
             f"{uri}: holds {pickles[0]} (pickled weights) and no backbone.safetensors; ssl-vit "
             "loads safetensors only: export the backbone with ssl_vit.models.export_backbone"
         )
-    for need in ("backbone.json", "backbone.safetensors"):
-        if need not in names:
-            raise ArtifactError(
-                f"{uri}: no {need} in this artifact (it has {sorted(names)}); point at a run's "
-                "export/ artifact"
-            )
+    if missing := [n for n in ("backbone.json", "backbone.safetensors") if n not in names]:
+        raise ArtifactError(
+            f"{uri}: no {missing[0]} in this artifact (it has {sorted(names)}); point at a run's "
+            "export/ artifact"
+        )
 
 
 def _download(uri: str, key: str, what: dict, meta: bytes | None = None) -> Path:

@@ -174,8 +174,9 @@ def _layer_arg(value: str) -> int | str:
     try:
         layer = int(value)
     except ValueError:
-        msg = f"{value!r}: give a block number (from 1) or auto"
-        raise argparse.ArgumentTypeError(msg) from None
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give a block number (from 1) or auto"
+        ) from None
     if layer < 1:
         raise argparse.ArgumentTypeError(f"{value}: blocks are numbered from 1")
     return layer
@@ -225,13 +226,13 @@ def load_backbone_from_args(args: argparse.Namespace) -> EvalBackbone:
     size = args.img_size or (min(m.image_size) if m.image_size else None)  # the centre square
     if size is None:
         raise FeatureError(f"{args.data}: images have mixed sizes; pass --img-size")
+    chans = args.in_chans or m.channels
     if args.raw_pixels:
-        chans = args.in_chans or m.channels
         return raw_pixels_backbone(img_size=size, in_chans=chans, mean=m.mean, std=m.std)
     return random_backbone(
         args.random_init,
         img_size=size,
-        in_chans=args.in_chans or m.channels,
+        in_chans=chans,
         patch_size=args.patch_size,
         mean=m.mean,
         std=m.std,
@@ -296,9 +297,9 @@ def report(
     seconds: float,
 ) -> dict[str, Any]:
     """Print the table, write the JSON, log to MLflow; return the results dict."""
-    parent = None
-    if args.backbone:
-        parent = bb.source_run_id or pretrain_run_id(args.backbone, bb.meta)
+    parent = (
+        (bb.source_run_id or pretrain_run_id(args.backbone, bb.meta)) if args.backbone else None
+    )
     params = {
         "backbone": bb.source,
         "backbone_id": bb.ident,

@@ -97,10 +97,9 @@ def simulate(out: StageOutputs, thresholds: Sequence[float], costs: Sequence[flo
     """Accuracy, mean FLOPs per image and share of images leaving at each stage."""
     exits = exit_stages(out.confidence, thresholds)
     reach = np.cumsum(costs)  # FLOPs of an image that leaves at stage s
-    acc = float(out.correct[np.arange(len(exits)), exits].mean())
     shares = np.bincount(exits, minlength=out.confidence.shape[1]) / len(exits)
     return {
-        "top1": acc,
+        "top1": float(out.correct[np.arange(len(exits)), exits].mean()),
         "mean_flops": float(reach[exits].mean()),
         "exit_share": [float(v) for v in shares],
     }
@@ -117,8 +116,7 @@ def choose_thresholds(
 ) -> list[dict]:
     """Per budget (mean FLOPs per image), the thresholds best on the held-out images among
     those fitting the budget there (ties: fewer FLOPs). Budgets nothing fits are skipped."""
-    stages = held.confidence.shape[1]
-    axes = [_candidates(held.confidence[:, s], grid) for s in range(stages - 1)]
+    axes = [_candidates(held.confidence[:, s], grid) for s in range(held.confidence.shape[1] - 1)]
     table = []
     for thr in itertools.product(*axes):
         r = simulate(held, thr, costs)

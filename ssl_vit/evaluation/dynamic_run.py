@@ -33,6 +33,7 @@ from ssl_vit.evaluation.report import (
     write_results,
 )
 from ssl_vit.figures import optional_figure
+from ssl_vit.io import atomic_open
 from ssl_vit.models import load_backbone
 from ssl_vit.objectives.export import load_objective
 from ssl_vit.registry import resolve_export
@@ -63,11 +64,6 @@ def _images(loader, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
             break
     x, y = torch.cat(xs), torch.cat(ys)
     return (x[:limit], y[:limit]) if limit else (x, y)
-
-
-def _batches(x: torch.Tensor, y: torch.Tensor, size: int):
-    for i in range(0, len(y), size):
-        yield x[i : i + size], y[i : i + size]
 
 
 def plot(points: list[dict], singles: list[dict], matched: dict | None, path: Path, title: str):
@@ -109,10 +105,9 @@ def plot(points: list[dict], singles: list[dict], matched: dict | None, path: Pa
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 
@@ -126,7 +121,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     args.test_split = eval_split(manifest, args.test_split)
     manifest.split(args.train_split)
     manifest.split(args.test_split)
-    size = cascade.sizes[-1]
     in_chans = int(meta["kwargs"]["in_chans"])
     startup.ready()  # the model is loaded: later GC passes skip it (ssl_vit/startup.py)
 
@@ -135,7 +129,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             args.data,
             split,
             batch_size=args.batch_size,
-            img_size=size,
+            img_size=cascade.sizes[-1],
             num_workers=args.workers,
             holdout_fraction=holdout,
         )
@@ -145,9 +139,14 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     held_x, held_y = _images(loader(args.train_split, args.holdout_fraction), None)
     test_x, test_y = _images(loader(args.test_split, None), args.max_test)
     norm = objective.normalize
-    held = dynamic.stage_outputs(cascade, _batches(held_x, held_y, args.batch_size), norm, device)
+    size = args.batch_size
+    held = dynamic.stage_outputs(
+        cascade, zip(held_x.split(size), held_y.split(size), strict=True), norm, device
+    )
     log.info("test: %d images through every stage", len(test_y))
-    test = dynamic.stage_outputs(cascade, _batches(test_x, test_y, args.batch_size), norm, device)
+    test = dynamic.stage_outputs(
+        cascade, zip(test_x.split(size), test_y.split(size), strict=True), norm, device
+    )
 
     costs = dynamic.stage_flops(cascade, in_chans, device)
     reach = np.cumsum(costs)
@@ -185,7 +184,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 "matched_speedup": speed["speedup"],
             }
         )
-    results = {
+    return {
         "eval": "dynamic_vit",
         "params": {
             "backbone": resolved.uri or str(resolved.path),
@@ -212,7 +211,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "pretrain_run_id": resolved.run_id or meta.get("mlflow_run_id"),
         "seconds": time.perf_counter() - t0,
     }
-    return results
 
 
 def _single_stages(
@@ -289,7 +287,7 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     rid = log_to_mlflow(
         "dynamic_vit",
         rows,
-        {k: v for k, v in results["params"].items()},
+        dict(results["params"]),
         parent_run_id=results["pretrain_run_id"],
         results_path=path,
         tracking_uri=args.tracking_uri,

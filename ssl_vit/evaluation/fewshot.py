@@ -54,8 +54,7 @@ def ridge_fit(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor
         w = xc.T @ torch.linalg.solve(xc @ xc.T + l2 * torch.eye(n, dtype=x.dtype), yc)
     else:
         w = torch.linalg.solve(xc.T @ xc + l2 * torch.eye(d, dtype=x.dtype), xc.T @ yc)
-    b = ym - xm @ w
-    return w, b  # (D, K), (K,)
+    return w, ym - xm @ w  # W (D, K), b (K,)
 
 
 def loo_predictions(x: torch.Tensor, y: torch.Tensor, l2s: list[float]) -> torch.Tensor:
@@ -101,11 +100,8 @@ def select_l2(
 
 def sample_shots(labels: np.ndarray, shots: int, rng: np.random.Generator) -> np.ndarray:
     """Indices of `shots` random examples of every class (all of them if a class has fewer)."""
-    picks = []
-    for c in np.unique(labels):
-        members = np.flatnonzero(labels == c)
-        picks.append(rng.choice(members, size=min(shots, len(members)), replace=False))
-    return np.concatenate(picks)
+    groups = (np.flatnonzero(labels == c) for c in np.unique(labels))
+    return np.concatenate([rng.choice(m, size=min(shots, len(m)), replace=False) for m in groups])
 
 
 def _standardise(x: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,8 +122,7 @@ def fewshot_accuracy(
     x, mean, std = _standardise(train_x)
     w, b = ridge_fit(x, pm1_targets(train_y, num_classes), l2)
     xt = (torch.from_numpy(np.asarray(test_x, dtype=np.float64)) - mean) / std
-    pred = (xt @ w + b).argmax(1).numpy()
-    return float((pred == test_y).mean())
+    return float(((xt @ w + b).argmax(1).numpy() == test_y).mean())
 
 
 @dataclass

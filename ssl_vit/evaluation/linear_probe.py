@@ -29,6 +29,20 @@ from ssl_vit.evaluation.options import DEFAULT_L2_GRID, DEFAULT_LR_GRID
 from ssl_vit.knn import topk_accuracy
 
 
+def _tensors(features: np.ndarray, labels: np.ndarray, dev: torch.device) -> tuple:
+    """(features as float32, labels as int64) on dev."""
+    x = torch.as_tensor(np.asarray(features, dtype=np.float32)).to(dev)
+    return x, torch.as_tensor(labels).long().to(dev)
+
+
+def _zero_head(x: torch.Tensor, num_classes: int) -> nn.Linear:
+    """A linear head on x's features and device, all zeros."""
+    head = nn.Linear(x.shape[1], num_classes, device=x.device)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
 def _standardize(train: torch.Tensor, *others: torch.Tensor) -> list[torch.Tensor]:
     mean, std = train.mean(0), train.std(0) + 1e-6
     return [(t - mean) / std for t in (train, *others)]
@@ -54,9 +68,7 @@ def fit_lbfgs(
 ) -> nn.Linear:
     """Full-batch L-BFGS with a strong-Wolfe line search; x standardised (N, D), on the device
     the head is made on (x's)."""
-    head = nn.Linear(x.shape[1], num_classes, device=x.device)
-    nn.init.zeros_(head.weight)
-    nn.init.zeros_(head.bias)
+    head = _zero_head(x, num_classes)
     opt = torch.optim.LBFGS(
         head.parameters(),
         lr=1.0,
@@ -94,9 +106,7 @@ def fit_adamw(
 ) -> nn.Linear:
     """Minibatch AdamW with cosine decay, for feature sets too big for full-batch L-BFGS."""
     g = torch.Generator().manual_seed(seed)
-    head = nn.Linear(x.shape[1], num_classes, device=x.device)
-    nn.init.zeros_(head.weight)
-    nn.init.zeros_(head.bias)
+    head = _zero_head(x, num_classes)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
     steps = epochs * math.ceil(len(x) / batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
@@ -179,10 +189,8 @@ def linear_probe_eval(
     torch.manual_seed(seed)
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     dev = probe_device(device)
-    x = torch.as_tensor(np.asarray(train_features, dtype=np.float32)).to(dev)
-    y = torch.as_tensor(train_labels).long().to(dev)
-    xt = torch.as_tensor(np.asarray(test_features, dtype=np.float32)).to(dev)
-    yt = torch.as_tensor(test_labels).long().to(dev)
+    x, y = _tensors(train_features, train_labels, dev)
+    xt, yt = _tensors(test_features, test_labels, dev)
 
     def fit(xf: torch.Tensor, yf: torch.Tensor, l2: float, lr: float) -> nn.Linear:
         if solver == "lbfgs":
@@ -204,9 +212,9 @@ def linear_probe_eval(
             xtr, xva = _standardize(x[tr], x[va])  # each fold standardised by its fitting part
             per_fold.append(_sweep(fit, grid, (xtr, y[tr]), (xva, y[va])))
         sweep = []  # each point's mean over the folds, and its fold scores
-        for i, point in enumerate(per_fold[0]):
-            scores = [fold[i]["val_top1"] for fold in per_fold]
-            sweep.append({**point, "val_top1": float(np.mean(scores)), "fold_top1": scores})
+        for points in zip(*per_fold, strict=True):
+            scores = [p["val_top1"] for p in points]
+            sweep.append({**points[0], "val_top1": float(np.mean(scores)), "fold_top1": scores})
     best = max(sweep, key=lambda r: (r["val_top1"], r["l2"]))  # ties: the stronger penalty
 
     xs, xts = _standardize(x, xt)
@@ -267,8 +275,7 @@ def mae_probe_eval(
     torch.manual_seed(seed)
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     dev = probe_device(device)
-    x = torch.as_tensor(np.asarray(train_features, dtype=np.float32)).to(dev)
-    y = torch.as_tensor(train_labels).long().to(dev)
+    x, y = _tensors(train_features, train_labels, dev)
     model = nn.Sequential(
         nn.BatchNorm1d(x.shape[1], affine=False, eps=1e-6), nn.Linear(x.shape[1], num_classes)
     ).to(dev)
@@ -297,9 +304,8 @@ def mae_probe_eval(
             step += 1
     model.eval()
     with torch.no_grad():
-        xt = torch.as_tensor(np.asarray(test_features, dtype=np.float32)).to(dev)
-        yt = torch.as_tensor(test_labels).long().to(dev)
-        top1, top5 = topk_accuracies(_scores(model, xt), yt)
+        x_test, y_test = _tensors(test_features, test_labels, dev)
+        top1, top5 = topk_accuracies(_scores(model, x_test), y_test)
     return {
         "probe_top1": top1,
         "probe_top5": top5,

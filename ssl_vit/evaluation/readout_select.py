@@ -72,14 +72,12 @@ def readout_candidates(bb: EvalBackbone, pools: tuple[str, ...], max_dim: int) -
     from ssl_vit.models import token_geometry
 
     tokens_dim = token_geometry(model).num_patches * int(model.embed_dim)
-    out = []
-    for layer in range(depth, 0, -1):
-        for pool in pools:
-            if pool == "cls" and not prefix:
-                continue
-            if pool == "tokens" and tokens_dim > max_dim:
-                continue
-            out.append(Readout(layer, pool))
+    out = [
+        Readout(layer, pool)
+        for layer in range(depth, 0, -1)
+        for pool in pools
+        if not (pool == "cls" and not prefix) and not (pool == "tokens" and tokens_dim > max_dim)
+    ]
     if not out:
         raise FeatureError(
             f"{bb.source}: no read-out of pools {pools} fits (tokens: {tokens_dim} > {max_dim} "
@@ -163,7 +161,7 @@ def select_readout(
     scores = {}
     for c in cands:
         f = feats[c.name].astype(np.float32)
-        m = knn_eval(
+        scores[c.name] = knn_eval(
             f[~held],
             labels[~held],
             f[held],
@@ -171,8 +169,7 @@ def select_readout(
             ks=(k,),
             temperature=temperature,
             retrieval=False,
-        )
-        scores[c.name] = m[f"knn_top1@k={k}"]
+        )[f"knn_top1@k={k}"]
         log.info("read-out %s: held-out kNN top-1 %.4f", c.name, scores[c.name])
     best = max(cands, key=lambda c: scores[c.name])  # first of equals: later block, mean
     result = {

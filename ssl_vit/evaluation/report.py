@@ -49,8 +49,7 @@ def format_table(title: str, metrics: dict[str, Any]) -> str:
     width = max((len(k) for k in rows), default=6)
     lines = [title, "-" * (width + 14)]
     for k, v in rows.items():
-        is_rate = any(t in k for t in ("top1", "top5", "recall", "map@r", "shot_"))
-        if is_rate:
+        if any(t in k for t in ("top1", "top5", "recall", "map@r", "shot_")):  # a rate
             shown = f"{100 * v:9.2f} %"
         elif float(v).is_integer() and abs(v) < 1e12:  # counts: 60000, not 6e+04
             shown = f"{int(v):11d}"
@@ -66,8 +65,7 @@ def pretrain_run_id(backbone_path: str | os.PathLike | None, meta: dict | None) 
         p = Path(backbone_path)
         for cand in (p / "mlflow_run_id", p.parent / "mlflow_run_id"):  # run dir, or its export/
             if cand.is_file():
-                text = cand.read_text(encoding="utf-8").strip()
-                if text:
+                if text := cand.read_text(encoding="utf-8").strip():
                     return text
     if meta and isinstance(meta.get("mlflow_run_id"), str):
         return meta["mlflow_run_id"]
@@ -95,8 +93,7 @@ def log_to_mlflow(
     if parent_run_id:
         tags["pretrain_run_id"] = parent_run_id
     # A parent that is not in this store is dropped (a warning): the lineage tag stays.
-    nest_under = nest_under or parent_run_id
-    if nest_under:
+    if nest_under := nest_under or parent_run_id:
         tags[PARENT_TAG] = nest_under
     spool = Path(results_path).parent if results_path else Path(".")
     try:

@@ -41,8 +41,7 @@ log = logging.getLogger(__name__)
 def _patch_projection_weight(model: nn.Module) -> torch.Tensor | None:
     """(D, C, P, P) filters applied to raw pixels, or None (hybrids project CNN features)."""
     embed = model.patch_embed if backbone_kind(model) == "vit" else model.stem
-    proj = getattr(embed, "proj", None)
-    w = getattr(proj, "weight", None)
+    w = getattr(getattr(embed, "proj", None), "weight", None)
     return (
         w if (w is not None and w.dim() == 4 and getattr(embed, "backbone", None) is None) else None
     )
@@ -70,8 +69,11 @@ def _embedding_filters(ins: _Inspection, num_filters: int) -> None:
         log.info("no pixel patch projection (hybrid backbone): skipping embedding filters")
         return
     comps, ratio = embedding_filter_components(weight, num_filters)
-    fig = plots.plot_embedding_filters(comps, ratio, title=ins.prefix)
-    ins.save("filters", fig, "embedding_filters.png")
+    ins.save(
+        "filters",
+        plots.plot_embedding_filters(comps, ratio, title=ins.prefix),
+        "embedding_filters.png",
+    )
     ins.summary["filter_variance_ratio"] = [round(float(r), 5) for r in ratio]
 
 
@@ -85,14 +87,13 @@ def _not_applicable(ins: _Inspection, names: tuple[str, ...], why: str) -> None:
 
 def _position_similarity(ins: _Inspection) -> None:
     if getattr(ins.model, "pos_embed", None) is None:  # a Mixer: mixing weights are per position
-        kind = backbone_kind(ins.model)
-        _not_applicable(
-            ins, ("position_similarity",), f"a {kind} backbone has no position embeddings"
-        )
+        why = f"a {backbone_kind(ins.model)} backbone has no position embeddings"
+        _not_applicable(ins, ("position_similarity",), why)
         return
     sim = position_similarity(patch_position_embeddings(ins.model), patch_grid(ins.model))
-    fig = plots.plot_position_similarity(sim, title=ins.prefix)
-    ins.save("position", fig, "position_similarity.png")
+    ins.save(
+        "position", plots.plot_position_similarity(sim, title=ins.prefix), "position_similarity.png"
+    )
 
 
 def _attention(ins: _Inspection, mean, std, batch_size: int, num_show: int) -> None:

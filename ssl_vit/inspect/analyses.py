@@ -40,8 +40,7 @@ def embedding_filter_components(
     Returns components (k, C, P, P), orthonormal when flattened, and the fraction of the
     variance each explains (k,).
     """
-    D = weight.shape[0]
-    w = weight.detach().float().reshape(D, -1)  # (D, C*P*P)
+    w = weight.detach().float().flatten(1)  # (D, C*P*P)
     w = w - w.mean(dim=0, keepdim=True)
     _, s, vh = torch.linalg.svd(w, full_matrices=False)  # vh: (min(D, CPP), CPP)
     k = min(k, vh.shape[0])
@@ -68,9 +67,7 @@ def position_similarity(pos: torch.Tensor, grid: tuple[int, int]) -> torch.Tenso
     Cosine, not raw dot products: embedding norms would otherwise dominate the picture.
     """
     p = torch.nn.functional.normalize(pos.float(), dim=-1)  # (N, D)
-    sim = p @ p.T  # (N, N)
-    gh, gw = grid
-    return sim.reshape(gh, gw, gh, gw)
+    return (p @ p.T).reshape(*grid, *grid)  # (N, N) -> (gh, gw, gh, gw)
 
 
 def patch_distances(grid: tuple[int, int], patch: tuple[int, int]) -> torch.Tensor:
@@ -92,8 +89,7 @@ def mean_attention_distance(
     """
     a = attn[:, :, num_prefix_tokens:, num_prefix_tokens:].float()  # (B, H, N, N)
     a = a / a.sum(dim=-1, keepdim=True).clamp_min(1e-12)
-    per_query = (a * dist.to(a.device)).sum(dim=-1)  # (B, H, N)
-    return per_query.mean(dim=-1)
+    return (a * dist.to(a.device)).sum(dim=-1).mean(dim=-1)  # per query (B, H, N), then mean
 
 
 def attention_rollout(attns: list[torch.Tensor]) -> torch.Tensor:
@@ -150,9 +146,8 @@ def attention_statistics(
     npre = int(model.num_prefix_tokens)
     dist = patch_distances(grid, patch)
     total: torch.Tensor | None = None
-    n = 0
+    n = kept = 0
     maps: list[torch.Tensor] = []
-    kept = 0
     with AttentionRecorder(model) as rec:
         for x in batches:
             model.forward_features(x)

@@ -47,8 +47,7 @@ def attention_from_qkv(attn: nn.Module, qkv_out: torch.Tensor) -> torch.Tensor:
     """
     B, T, _ = qkv_out.shape
     qkv = qkv_out.reshape(B, T, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    q, k = qkv[0], qkv[1]  # (B, H, T, Dh) each
-    q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])  # (B, H, T, Dh) each
     logits = (q.float() * attn.scale) @ k.float().transpose(-2, -1)  # (B, H, T, T)
     return logits.softmax(dim=-1)
 

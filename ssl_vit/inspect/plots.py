@@ -74,8 +74,7 @@ def plot_embedding_filters(
         c = (c - c.min()) / max(float(c.max() - c.min()), 1e-12)
         _show(ax, _to_hwc(c))
         ax.set_title(f"PC{i + 1} ({100 * float(variance_ratio[i]):.1f}%)", fontsize=7)
-    C, P = components.shape[1], components.shape[-1]
-    kind = "gray" if C == 1 else "RGB"
+    P, kind = components.shape[-1], "gray" if components.shape[1] == 1 else "RGB"
     fig.suptitle(
         f"{title}Embedding filters: top {K} principal components of the "
         f"{P}x{P} patch projection ({kind}; % = variance explained)",
@@ -136,8 +135,7 @@ def plot_attention_distance(
     ax.set_xlabel("Network depth (layer)")
     ax.set_ylabel("Mean attention distance (pixels)")
     ax.set_xticks(depth)
-    top = max_distance if max_distance is not None else float(d.max()) * 1.1
-    ax.set_ylim(0, top)
+    ax.set_ylim(0, max_distance if max_distance is not None else float(d.max()) * 1.1)
     ax.grid(alpha=0.3)
     if H <= 16:
         ax.legend(fontsize=6, ncol=2, loc="lower right", framealpha=0.8)
@@ -153,9 +151,8 @@ def plot_rollout(images: torch.Tensor, maps: torch.Tensor, *, title: str = "") -
     images: (S, C, H, W) in [0, 1]; maps: (S, gh, gw) scaled to max 1.
     """
     S = min(images.shape[0], maps.shape[0])
-    Hh, Ww = images.shape[-2:]
     up = torch.nn.functional.interpolate(
-        maps[:S, None].float(), size=(Hh, Ww), mode="bilinear", align_corners=False
+        maps[:S, None].float(), size=tuple(images.shape[-2:]), mode="bilinear", align_corners=False
     )[:, 0]  # (S, H, W)
     fig, axes = plt.subplots(2, S, figsize=(1.6 * S + 0.8, 3.6), squeeze=False)
     im = None

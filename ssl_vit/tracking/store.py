@@ -163,12 +163,10 @@ def batch(ev: dict) -> dict[str, list]:
     """log_batch's arguments for a params, tags or metrics event."""
     from mlflow.entities import Metric, Param, RunTag
 
-    params, tags = ev.get("params", {}).items(), ev.get("tags", {}).items()
-    metrics = [Metric(*m) for m in ev.get("metrics", [])]
     return {
-        "params": [Param(*p) for p in params],
-        "tags": [RunTag(*t) for t in tags],
-        "metrics": metrics,
+        "params": [Param(*p) for p in ev.get("params", {}).items()],
+        "tags": [RunTag(*t) for t in ev.get("tags", {}).items()],
+        "metrics": [Metric(*m) for m in ev.get("metrics", [])],
     }
 
 

@@ -86,12 +86,13 @@ class Tracker:
         elif uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
             uri = f"sqlite:///{Path(uri[10:]).resolve()}"  # a replay from elsewhere finds it
         self._metrics_file = metrics_file and str(Path(metrics_file).resolve())
-        tags = {k: str(v) for k, v in (tags or {}).items()}
-        head = dict(tracking_uri=uri, experiment=experiment, run_name=run_name, run_id=run_id)
         self.head = {
-            **head,
+            "tracking_uri": uri,
+            "experiment": experiment,
+            "run_name": run_name,
+            "run_id": run_id,
             "run_key": run_key,
-            "tags": tags,
+            "tags": {k: str(v) for k, v in (tags or {}).items()},
             "metrics_file": self._metrics_file,
             "run_id_file": run_id_file and str(Path(run_id_file).resolve()),
             "begun": int(time.time() * 1000),  # records replay in the order they began
@@ -172,9 +173,11 @@ class Tracker:
             except Exception as e:
                 log.warning("MLflow store %s: %s", self.tracking_uri, str(e).splitlines()[0][:300])
         if not self.flushed:
-            cmd = f"python -m ssl_vit.tracking replay {self.dir}"
             log.warning(
-                "MLflow run kept in %s; once %s is back: `%s`", self.path, self.tracking_uri, cmd
+                "MLflow run kept in %s; once %s is back: `python -m ssl_vit.tracking replay %s`",
+                self.path,
+                self.tracking_uri,
+                self.dir,
             )
 
     def __enter__(self) -> Tracker:
