@@ -97,10 +97,6 @@ class CascadeStage(nn.Module):
             self.relation_weight = nn.Parameter(torch.zeros(depth, heads))  # (L, H)
             self.register_buffer("resize", resize_matrix(prev_grid, self.grid), persistent=False)
 
-    @property
-    def uses_prev(self) -> bool:
-        return self.feature is not None or self.relation_weight is not None
-
     def _block(
         self, blk: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
