@@ -131,8 +131,9 @@ def _model_version(client: Any, uri: str, store: str, name: str, version: str, a
             return client.get_model_version_by_alias(name, alias)
     if version == "latest":
         return max(versions, key=lambda v: int(v.version))
-    if found := [v for v in versions if str(v.version) == version]:
-        return found[0]
+    for v in versions:
+        if str(v.version) == version:
+            return v
     raise ArtifactError(f"{uri}: registered model {name!r} has no version {version}; it has {have}")
 
 

@@ -72,12 +72,14 @@ def readout_candidates(bb: EvalBackbone, pools: tuple[str, ...], max_dim: int) -
     from ssl_vit.models import token_geometry
 
     tokens_dim = token_geometry(model).num_patches * int(model.embed_dim)
-    out = [
-        Readout(layer, pool)
-        for layer in range(depth, 0, -1)
-        for pool in pools
-        if not (pool == "cls" and not prefix) and not (pool == "tokens" and tokens_dim > max_dim)
-    ]
+    out = []
+    for layer in range(depth, 0, -1):
+        for pool in pools:
+            if pool == "cls" and not prefix:
+                continue  # no [class] token to read
+            if pool == "tokens" and tokens_dim > max_dim:
+                continue  # every token's features: too wide for this backbone
+            out.append(Readout(layer, pool))
     if not out:
         raise FeatureError(
             f"{bb.source}: no read-out of pools {pools} fits (tokens: {tokens_dim} > {max_dim} "
