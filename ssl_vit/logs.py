@@ -24,7 +24,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 
-__all__ = ["QUIET_LEVELS", "quiet_prints", "setup_logging", "wants_verbose"]
+__all__ = ["QUIET_LEVELS", "first_line", "quiet_prints", "setup_logging", "wants_verbose"]
 
 # Library loggers and the level they get unless -v. Their INFO lines are start-up chatter.
 QUIET_LEVELS: dict[str, int] = {
@@ -117,3 +117,10 @@ def quiet_prints() -> Iterator[None]:
     finally:
         lines = held.getvalue().splitlines(keepends=True)
         sys.stdout.write("".join(ln for ln in lines if not _PRINTED.fullmatch(ln.strip())))
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message, cut at `limit` characters, for a one-line error;
+    its type's name when the message is empty (`str(e)` of many OSErrors and timeouts)."""
+    lines = str(e).strip().splitlines()
+    return lines[0][:limit] if lines else type(e).__name__

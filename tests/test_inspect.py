@@ -29,7 +29,7 @@ from ssl_vit.inspect.analyses import (
     patch_distances,
     position_similarity,
 )
-from ssl_vit.inspect.attention import AttentionRecorder, record_attention
+from ssl_vit.inspect.attention import AttentionRecorder
 from ssl_vit.io import sha256_file
 from ssl_vit.models import build_backbone, export_backbone, load_backbone
 from ssl_vit.objectives import MaskedPatchPrediction
@@ -149,7 +149,7 @@ def test_hook_attention_matches_unfused_reference_and_leaves_output_unchanged(qk
     torch.testing.assert_close(ref_out, plain, atol=1e-5, rtol=1e-5)
     for got, ref in zip(rec.maps, caught, strict=True):
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
-    assert record_attention(model, x)[1].shape == (3, 3, 50, 50)
+    assert rec.maps[1].shape == (3, 3, 50, 50)
 
 
 def test_mpp_colours_are_the_patches_3bit_mean_and_the_panel_is_drawn(tmp_path):

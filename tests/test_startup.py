@@ -179,3 +179,11 @@ def test_a_training_run_is_quiet_by_default_and_shows_all_with_v(
         else:
             shown = [line for line in known if line in out]
             assert not shown, (shown, out[-4000:])
+
+
+def test_first_line_of_an_error_is_one_line_even_when_the_message_is_empty():
+    from ssl_vit.logs import first_line
+
+    assert first_line(ValueError("  bad key\n  at line 3\n")) == "bad key"
+    assert first_line(TimeoutError()) == "TimeoutError"  # str() is ""; no IndexError
+    assert first_line(OSError("x" * 400)) == "x" * 300

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .augment import crop_params, crop_resize_batch, mix_seed, shift_params
 from .manifest import Manifest
-from .shards import ReadCounter
+from .shards import LoaderCounts, ReadCounter
 
 MEMORY_BUDGET = 2 << 30  # bytes of decoded images per rank that `auto` holds in RAM
 
@@ -47,17 +47,6 @@ def resolve_in_memory(setting: Any, manifest: Manifest, split: str) -> tuple[boo
     if size > MEMORY_BUDGET:
         return False, f"{mb}, above the {MEMORY_BUDGET >> 20} MB budget"
     return True, f"auto: {mb}"
-
-
-class LoaderCounts:
-    """What every loader reports: skipped samples, shard errors (its `counter`) and the shard
-    set's channels, mean and std (its `manifest`)."""
-
-    num_skipped = property(lambda self: self.counter.samples)  # corrupt or lost samples so far
-    num_shard_errors = property(lambda self: self.counter.shard_errors)
-    channels = property(lambda self: self.manifest.channels)
-    mean = property(lambda self: self.manifest.mean)
-    std = property(lambda self: self.manifest.std)
 
 
 class MemoryTrainLoader(LoaderCounts):

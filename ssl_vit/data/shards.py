@@ -100,6 +100,17 @@ class ReadCounter:
         return int(self._values[name].value)
 
 
+class LoaderCounts:
+    """What every loader reports: skipped samples, shard errors (its `counter`) and the shard
+    set's channels, mean and std (its `manifest`)."""
+
+    num_skipped = property(lambda self: self.counter.samples)  # corrupt or lost samples so far
+    num_shard_errors = property(lambda self: self.counter.shard_errors)
+    channels = property(lambda self: self.manifest.channels)
+    mean = property(lambda self: self.manifest.mean)
+    std = property(lambda self: self.manifest.std)
+
+
 def report_skip(msg: str) -> None:
     """Log a skipped sample or shard: the first few, then every 1000th (per process)."""
     global _n_logged

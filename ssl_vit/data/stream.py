@@ -48,8 +48,9 @@ from .augment import (
 from .device_decode import DeviceDecodeError, crop_box_for, decode_crop_batch, jpeg_size
 from .holdout import excluded_indices, held_out_indices
 from .manifest import Manifest, SampleLayout, load_manifest
-from .memory import LoaderCounts, MemoryTrainLoader, resolve_in_memory
+from .memory import MemoryTrainLoader, resolve_in_memory
 from .shards import (
+    LoaderCounts,
     ReadCounter,
     ShardReadError,
     ShardRef,

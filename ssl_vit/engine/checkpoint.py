@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ssl_vit.engine.distributed import all_gather_object, barrier, broadcast_object
 from ssl_vit.io import atomic_write_text, sha256_file
+from ssl_vit.logs import first_line
 
 STATE_NAME = "trainer_state.json"
 CHECKSUMS_NAME = "checksums.json"
@@ -88,11 +89,6 @@ def _folder_bytes(folder: Path, universal: bool = True) -> int:
             with contextlib.suppress(OSError):  # a file vanishing under us counts as nothing
                 total += p.stat().st_size if p.is_file() else 0
     return total
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
 
 
 # -- checksums -----------------------------------------------------------------------------
@@ -452,7 +448,7 @@ def _write_failure(e: BaseException, partial: Path) -> str | None:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             why += " (a full disk or quota)"
     elif isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_ERRORS):
-        why = f"torch's writer: {_first_line(e)}"
+        why = f"torch's writer: {type(e).__name__}: {first_line(e)}"
     else:
         return None
     try:
@@ -584,7 +580,7 @@ def restore(engine: Any, ckpt_dir: Path, tag: str, universal: bool = False) -> N
     except Exception as e:  # torch's unpickler, DeepSpeed's asserts: a damaged or odd file
         raise CheckpointError(
             f"{load_dir / load_tag}: DeepSpeed could not load this checkpoint "
-            f"({_first_line(e)}); {what_to_do}"
+            f"({type(e).__name__}: {first_line(e)}); {what_to_do}"
         ) from e
     if path is None:
         raise CheckpointError(

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ssl_vit.logs import quiet_prints
+from ssl_vit.logs import first_line, quiet_prints
 
 
 def _free_port() -> int:
@@ -109,7 +109,7 @@ def barrier(what: str = "a barrier") -> None:
             group=cpu_group(), timeout=timedelta(seconds=limit), wait_all_ranks=True
         )
     except RuntimeError as e:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = first_line(e, limit=10_000)
         found = re.search(r"[Rr]anks? ([0-9, ]+) failed to pass", text)
         who = f"rank(s) {found.group(1).strip()}" if found else "some rank"
         raise BarrierTimeout(

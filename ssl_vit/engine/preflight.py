@@ -16,6 +16,7 @@ from ssl_vit.config import KWARGS_SET_ELSEWHERE, Config, ConfigError, local_batc
 from ssl_vit.data.manifest import Manifest, check_shards_exist, load_manifest
 from ssl_vit.data.shards import ShardRef, select_shards
 from ssl_vit.data.urls import join, probe_range
+from ssl_vit.logs import first_line
 
 if TYPE_CHECKING:
     import numpy as np
@@ -253,8 +254,7 @@ def check_backbone(cfg: Config, in_chans: int) -> None:
         with torch.device("meta"):
             build_backbone(m.arch, **m.backbone_kwargs(in_chans))
     except (ValueError, TypeError, AssertionError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(
-            f"model.arch={m.arch!r} does not build with model.kwargs={m.kwargs}: {msg}; "
+            f"model.arch={m.arch!r} does not build with model.kwargs={m.kwargs}: {first_line(e)}; "
             "fix model.kwargs"
         ) from None

@@ -19,7 +19,7 @@ from ssl_vit.data.manifest import Manifest, ManifestError, load_manifest
 from ssl_vit.data.urls import normalise_root
 from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR, POOLS
 from ssl_vit.evaluation.report import format_table, log_to_mlflow, pretrain_run_id, write_results
-from ssl_vit.logs import setup_logging, wants_verbose
+from ssl_vit.logs import first_line, setup_logging, wants_verbose
 from ssl_vit.registry import resolve_export
 
 if TYPE_CHECKING:
@@ -356,6 +356,5 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2
     except (ManifestError, FileNotFoundError, ValueError) as e:  # FeatureError is a ValueError
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         return 2

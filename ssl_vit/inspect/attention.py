@@ -12,7 +12,6 @@ is untouched: hooks only read.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch import nn
@@ -111,11 +110,3 @@ class AttentionRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-@torch.no_grad()
-def record_attention(model: nn.Module, x: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:
-    """One forward pass of `model.forward_features(x)`; returns per-block (B, H, T, T) maps."""
-    with AttentionRecorder(model, **kwargs) as rec:
-        model.forward_features(x)
-    return rec.maps

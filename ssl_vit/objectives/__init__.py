@@ -34,7 +34,6 @@ __all__ = [
     "MPPPrediction",
     "SupervisedObjective",
     "JointObjective",
-    "CascadeObjective",
     "param_groups",
     "no_weight_decay_names",
     "OBJECTIVES",
@@ -136,13 +135,6 @@ def _builder(kind: str) -> Callable[..., nn.Module]:
         module, name = builder.split(":")
         builder = getattr(importlib.import_module(module), name)
     return builder
-
-
-def __getattr__(name: str) -> Any:
-    """`CascadeObjective`, imported on first use (PEP 562), like the registry's kinds."""
-    if name == "CascadeObjective":
-        return _builder("cascade")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_objective(kind: str, backbone: nn.Module, **options: Any) -> nn.Module:

@@ -16,7 +16,6 @@ classes for RGB. Usage outside the trainer:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -378,11 +377,6 @@ class MaskedPatchPrediction(nn.Module):
         """Parameter names exempt from weight decay (see ssl_vit.objectives.param_groups)."""
         names = getattr(self.backbone, "no_weight_decay", set)()
         return {"mask_token"} | {f"backbone.{n}" for n in names}
-
-    @property
-    def chance_loss(self) -> float:
-        """ln(classes): the cross-entropy of a uniform guess (nan for the pixel target)."""
-        return math.log(self.num_classes) if self.target != "pixels" else float("nan")
 
     def _targets(self, images: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Targets of the corrupted patches: (B, M) | (B, M, S*S) int64 or (B, M, P*P*C) float."""

@@ -10,6 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ssl_vit.logs import first_line
 from ssl_vit.tracking.store import Store, read_record, records, register_export, resolve_uri
 
 
@@ -43,6 +44,6 @@ def main(argv: list[str] | None = None) -> int:
             path.unlink()
             print(f"{path}: sent to run {run_id}")
         except Exception as e:
-            print(f"error: {path}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+            print(f"error: {path}: {first_line(e)}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0

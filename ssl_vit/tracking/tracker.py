@@ -28,6 +28,7 @@ from pathlib import Path
 from threading import Event, RLock, Thread
 from typing import Any
 
+from ssl_vit.logs import first_line
 from ssl_vit.tracking.store import (
     KEY_PATTERN,
     Store,
@@ -171,7 +172,7 @@ class Tracker:
                 self.path.unlink()
                 self.flushed = True
             except Exception as e:
-                log.warning("MLflow store %s: %s", self.tracking_uri, str(e).splitlines()[0][:300])
+                log.warning("MLflow store %s: %s", self.tracking_uri, first_line(e))
         if not self.flushed:
             log.warning(
                 "MLflow run kept in %s; once %s is back: `python -m ssl_vit.tracking replay %s`",
