@@ -53,12 +53,6 @@ def saved_run_id(path: Path) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
-def save_run_id(tracker: Tracker, path: Path) -> None:
-    """Remember the MLflow run so a rerun continues it (the id may arrive late: store down)."""
-    if tracker.run_id and not path.is_file():
-        atomic_write_text(path, tracker.run_id + "\n")
-
-
 def run_key(run_dir: Path) -> str:
     """The run directory's key for its MLflow run: made by its first launch, kept for good."""
     path = run_dir / "mlflow_run_key"
@@ -109,7 +103,6 @@ def open_run_tracker(
         tags={PARENT_TAG: cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else None,
     )
     if rank == 0:
-        save_run_id(tracker, run_id_file)
         params = {**cfg.to_dict(), "derived": derived}
         logged = (
             this_launch.logged_params(fresh, derived)

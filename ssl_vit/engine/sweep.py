@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from ssl_vit.config import Config, ConfigError, load_config, training_settings
-from ssl_vit.engine.run_tracker import save_run_id, saved_run_id
+from ssl_vit.engine.run_tracker import saved_run_id
 from ssl_vit.io import atomic_write_text
 
 log = logging.getLogger("ssl_vit.train")
@@ -153,12 +153,12 @@ def _open_parent(base_cfg: Config, key: str, values: list, header: str):
         experiment=base_cfg.tracking.experiment,
         run_name=base_cfg.tracking.run_name or base.name,
         run_id=saved_run_id(id_file),
+        run_id_file=id_file,  # written by the tracker as soon as the store gives the id
         tracking_uri=base_cfg.tracking.uri,
         spool_dir=base / "mlflow_spool",
         tags={"ssl_vit.sweep": key},
         system_metrics=False,
     )
-    save_run_id(parent, id_file)
     # Tags, not params: a grown grid continues this parent run, and MLflow's params never change.
     parent.set_tags({"sweep.key": key, "sweep.values": values, "header": header})
     return parent

@@ -58,7 +58,7 @@ from ssl_vit.engine.optim import (
 )
 from ssl_vit.engine.precision import run_precision, step_timer
 from ssl_vit.engine.preflight import DataPlan, check_data
-from ssl_vit.engine.run_tracker import open_run_tracker, register_run, save_run_id
+from ssl_vit.engine.run_tracker import open_run_tracker, register_run
 from ssl_vit.engine.stop import Stopped, StopSignals
 from ssl_vit.figures import optional_figure
 from ssl_vit.io import atomic_write_text
@@ -409,7 +409,6 @@ def _log_metrics(run: Run, step: StepResult, window: MetricWindow) -> dict:
     }
     row = window.flush(extra, run.flops_per_step, run.peak, run.world, run.peak_measured)
     if run.rank == 0:
-        save_run_id(run.tracker, run.run_dir / "mlflow_run_id")
         run.tracker.log_metrics(row, step=count.step, in_file=True)
         with open(run.metrics_file, "a") as f:
             f.write(json.dumps({"step": count.step, **row}) + "\n")
@@ -419,7 +418,6 @@ def _log_metrics(run: Run, step: StepResult, window: MetricWindow) -> dict:
 def _stop(run: Run, stopped_by: str) -> None:
     """End a run a stop signal reached, after its checkpoint: the MLflow run KILLED, the ranks
     out together; the same command resumes it."""
-    save_run_id(run.tracker, run.run_dir / "mlflow_run_id")
     step = run.count.step
     run.tracker.set_tags({"ssl_vit.stopped_by": stopped_by, "ssl_vit.stopped_at_step": step})
     run.tracker.close("KILLED")
