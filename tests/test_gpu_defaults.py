@@ -7,6 +7,7 @@ import pytest
 import torch
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+from ssl_vit import perf
 from ssl_vit.config import load_config
 from ssl_vit.engine.optim import comm_settings, deepspeed_config, model_size
 from ssl_vit.engine.trainer import MetricWindow
@@ -202,6 +203,23 @@ def test_matmul_dtype_follows_precision_and_torch_tf32_flag():
         assert matmul_dtype("fp32", cpu) == "fp32"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_the_measured_peak_is_the_best_timing_so_busy_moments_do_not_lower_it(monkeypatch):
+    """Two of three timings land on a busy device (one matmul per 0.25 s on the clock), the
+    third on a quiet one (four): the peak is the quiet rate; a median would be the busy one."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def perf_counter() -> float:
+        now = clock["now"]
+        clock["calls"] += 1  # calls 1-4: the two busy timings (start, one matmul each)
+        clock["now"] += 0.25 if clock["calls"] <= 4 else 0.0625
+        return now
+
+    monkeypatch.setattr(perf.time, "perf_counter", perf_counter)
+    n = 8
+    got = perf.measure_matmul_peak(n=n, repeats=3, min_time=0.25)
+    assert got == pytest.approx(2 * n**3 * 4 / 0.25)  # not 2 * n**3 * 1 / 0.25
 
 
 def test_metric_window_logs_mfu_against_both_peaks():
