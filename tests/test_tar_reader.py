@@ -14,6 +14,7 @@ import webdataset as wds
 
 from ssl_vit.data.tar_reader import (
     MAX_MEMBER,
+    MAX_SAMPLE_MEMBERS,
     TarFormatError,
     iter_samples,
     read_samples,
@@ -129,6 +130,25 @@ def test_a_declared_size_is_checked_before_it_is_read(tmp_path: Path) -> None:
     assert str(caught.value) == (
         f"t: cut short inside a member (the header at byte 0 declares 50000 bytes, {left} are left)"
     )
+
+
+def test_a_sample_that_never_ends_is_refused_not_gathered(tmp_path: Path) -> None:
+    """One key across more members than a sample holds: the reader stops at the first member
+    past the limit with a line naming the shard and the sample, after the samples before it."""
+    fields = [(f"big.f{j}", b"x") for j in range(MAX_SAMPLE_MEMBERS + 1)]
+    path = tmp_path / "shard.tar"
+    _tar(path, [("ok.cls", b"1"), *fields], tarfile.USTAR_FORMAT)
+    samples = read_samples(_Stream(path.read_bytes()), "t")  # a stream: no seek, no size
+    assert next(samples)[1] == {"__key__": "ok", "__url__": "t", "cls": b"1"}
+    with pytest.raises(TarFormatError) as caught:
+        next(samples)
+    assert str(caught.value).startswith(
+        f"t: the sample 'big' at byte 1024 goes past {MAX_SAMPLE_MEMBERS} members or "
+        f"{MAX_MEMBER} bytes at big.f{MAX_SAMPLE_MEMBERS};"
+    )
+    _tar(path, fields[:-1], tarfile.USTAR_FORMAT)  # at the limit: one sample, every field
+    (sample,) = list(iter_samples(path))
+    assert len(sample) == MAX_SAMPLE_MEMBERS + 2
 
 
 def test_every_pax_record_is_parsed(tmp_path: Path) -> None:

@@ -21,6 +21,10 @@ BLOCK = 512
 # is far below 1 GiB even uncompressed.
 MAX_MEMBER = 1 << 30
 MAX_META = 1 << 20  # a GNU long name or a pax header: a few KiB in any real archive
+# One sample is held in memory whole: an image with its label and metadata, a few members in
+# any real set. A tar that keeps one key across more members or bytes is refused, not gathered.
+MAX_SAMPLE_MEMBERS = 256
+MAX_SAMPLE_BYTES = MAX_MEMBER
 _CHUNK = 1 << 24  # larger members are read in pieces: a stream cut short allocates no more
 _UNKNOWN_END = 1 << 62  # the end of a stream that cannot seek: only MAX_MEMBER bounds a member
 
@@ -250,7 +254,7 @@ def read_samples(
     that sample: callers that retry start again there); with `partial`, that sample too, as
     far as it was read (it may lack a member), as webdataset does."""
     sample: dict | None = None
-    start, i = pos, -1
+    start, i, members, held = pos, -1, 0, 0
     state = {"skipping": False}
 
     def wanted(name: str) -> bool:
@@ -270,12 +274,20 @@ def read_samples(
                 if sample is not None:
                     yield start, _done(sample)
                 sample, start, i = {"__key__": key, "__url__": str(path)}, at, i + 1
+                members = held = 0
                 if data is None:
                     sample["__skipped__"] = True
             if data is None:
                 continue
             if ext in sample:
                 raise TarFormatError(f"{path}: {name} appears twice in one sample")
+            members, held = members + 1, held + len(data)
+            if members > MAX_SAMPLE_MEMBERS or held > MAX_SAMPLE_BYTES:
+                raise TarFormatError(
+                    f"{path}: the sample {key!r} at byte {start} goes past {MAX_SAMPLE_MEMBERS} "
+                    f"members or {MAX_SAMPLE_BYTES} bytes at {name}; a sample is one image "
+                    "with its label and metadata: rewrite the shard with data_prep/make_shards.py"
+                )
             sample[ext] = data
     except TarFormatError:
         if partial and sample is not None and _done(sample) is not None:
