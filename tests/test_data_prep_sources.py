@@ -126,6 +126,28 @@ def test_idx_keeps_split_and_names(tmp_path, gz):
     assert open_source(tmp_path / "fashion-mnist").class_names == FASHION_MNIST_CLASSES
 
 
+def test_idx_prefixes_give_split_names_the_manifest_accepts(tmp_path):
+    """EMNIST names its files `emnist-letters-train-...`: the split is train; a prefix that
+    is no split name, or two datasets giving one split, is one line before any shard."""
+    imgs = np.zeros((2, 4, 4))
+    write_idx(tmp_path / "emnist", "emnist-letters-train", imgs, np.array([1, 2]), gz=True)
+    write_idx(tmp_path / "emnist", "emnist-letters-test", imgs[:1], np.array([3]), gz=True)
+    write_idx(tmp_path / "emnist", "extra_2", imgs[:1], np.array([0]), gz=False)
+    write_idx(tmp_path / "emnist", "extra_2", imgs[:1], np.array([0]), gz=True)  # gunzip -k
+    listing = open_source(tmp_path / "emnist")
+    assert [it.split for it in listing.items] == ["extra_2", "test", "train", "train"]
+    write_idx(tmp_path / "emnist", "emnist-digits-train", imgs, np.array([1, 2]), gz=False)
+    with pytest.raises(SourceError) as caught:
+        open_source(tmp_path / "emnist")
+    assert str(caught.value).endswith(
+        "split 'train' also comes from emnist-digits-train-images-idx3-ubyte; "
+        "give make_shards one IDX dataset per folder"
+    )
+    write_idx(tmp_path / "odd", "my data", imgs, np.array([1, 2]), gz=False)
+    with pytest.raises(SourceError, match="the IDX prefix 'my data' is not a split name"):
+        open_source(tmp_path / "odd")
+
+
 def test_truncated_idx_is_a_source_error(tmp_path):
     write_idx(tmp_path, "train", np.zeros((3, 4, 4)), np.zeros(3), gz=False)
     f = tmp_path / "train-images-idx3-ubyte"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ssl_vit.data.manifest import SPLIT_NAME
 from ssl_vit.data.urls import Retry, has_braces, join, list_folder, open_url, read_bytes, reason
 
 IMAGE_EXTENSIONS = frozenset(
@@ -31,6 +32,8 @@ SPLIT_FOLDERS = {
     "validation": "val",
     "test": "test",
 }
+# IDX file prefixes (or their last -part) that name a split: MNIST's train / t10k.
+IDX_SPLITS = {"train": "train", "t10k": "test", "test": "test"}
 
 FASHION_MNIST_CLASSES = [
     "T-shirt/top",
@@ -431,16 +434,30 @@ def _webdataset_set(source: str) -> Listing:
 
 
 def _idx_pairs(folder: Path) -> dict[str, tuple[Path, Path | None]]:
-    """{split: (images, labels)} for `{train,t10k,test}-images-idx3-ubyte[.gz]` files."""
+    """{split: (images, labels)} for `<prefix>-images-idx3-ubyte[.gz]` files. A prefix `train`,
+    `t10k` or `test`, or one ending in `-train` / `-test` (EMNIST's `emnist-letters-train`),
+    names that split; another prefix is a split of its own name."""
     if not folder.is_dir():
         return {}
     pairs: dict[str, tuple[Path, Path | None]] = {}
-    for f in sorted(folder.iterdir()):
+    prefixes: set[str] = set()
+    for f in sorted(folder.iterdir()):  # a plain file sorts before its .gz twin, which is left
         name = f.name.removesuffix(".gz")
-        if not name.endswith("-images-idx3-ubyte"):
-            continue
         prefix = name.removesuffix("-images-idx3-ubyte")
-        split = {"train": "train", "t10k": "test", "test": "test"}.get(prefix, prefix)
+        if prefix == name or prefix in prefixes:
+            continue
+        split = IDX_SPLITS.get(prefix.rsplit("-", 1)[-1], prefix)
+        if SPLIT_NAME.fullmatch(split) is None:
+            raise SourceError(
+                f"{f}: the IDX prefix {prefix!r} is not a split name (letters, digits and _, "
+                "or ending in -train / -test); rename the images and labels files"
+            )
+        if split in pairs:
+            raise SourceError(
+                f"{f}: split {split!r} also comes from {pairs[split][0].name}; "
+                "give make_shards one IDX dataset per folder"
+            )
+        prefixes.add(prefix)
         lab = [folder / f"{prefix}-labels-idx1-ubyte{gz}" for gz in ("", ".gz")]
         pairs[split] = (f, next((p for p in lab if p.exists()), None))
     return pairs
