@@ -5,9 +5,10 @@ truncated or deleted (the relaunch resumes from step 2 and finishes with the sam
 only one's trainer_state.json corrupted, or the newest one, saved by an older version without
 checksums, truncated (each: one line, exit 2). A real DeepSpeed engine saves into a small
 tmpfs (skipped where mounting is not allowed): the free-space check, a write that fills the
-disk, and the saves after it. Unit tests: every kind of damage `find` detects on hand-made
-checkpoints, the free-space planning, write errors as torch and the OS raise them, and the
-heartbeat that bounds the wait for a universal conversion.
+disk, and the saves after it; the run's metric line and config file on a full tmpfs. Unit
+tests: every kind of damage `find` detects on hand-made checkpoints, the free-space planning,
+write errors as torch and the OS raise them, and the heartbeat that bounds the wait for a
+universal conversion.
 """
 
 from __future__ import annotations
@@ -343,6 +344,33 @@ def test_full_disk_on_a_real_engine(tmp_path):
     assert out["later"] == "saved" and out["after_later"] == ["latest", "step00000002"]
     assert out["resumes"] == "step00000002"
     print(f"\nrefused: {refused}\nfilled: {filled}")
+
+
+def test_a_full_disk_leaves_no_half_metric_line_and_names_the_file(tmp_path):
+    """The run's other files on a full tmpfs: a metric line that does not fit is cut back off
+    (a resumed run parses every line), and each failed write names its file."""
+    from ssl_vit.io import append_text, atomic_write_text
+
+    disk = tmp_path / "run"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)],
+                           capture_output=True, text=True)  # fmt: skip
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        metrics = disk / "metrics.jsonl"
+        append_text(metrics, '{"step": 2}\n')
+        with pytest.raises(OSError) as caught:  # a line of 32 kB: two tmpfs pages too many
+            append_text(metrics, json.dumps({"step": 4, "pad": "x" * 32_000}) + "\n")
+        assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(metrics)
+        assert metrics.read_text() == '{"step": 2}\n'
+        with pytest.raises(OSError) as caught:
+            atomic_write_text(disk / "ds_config.json", "x" * 32_000)
+        assert caught.value.errno == errno.ENOSPC
+        assert caught.value.filename == str(disk / "ds_config.json")
+        assert sorted(f.name for f in disk.iterdir()) == ["metrics.jsonl"]  # no temporary left
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 # -- the bounded wait for a universal conversion ----------------------------------------------

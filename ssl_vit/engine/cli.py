@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
@@ -227,6 +228,13 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
         # ShardReadError: data.missing_shards=error, after the read's retries
         line = e.one_line() if isinstance(e, ShardReadError) else e
         print(f"error: {line}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or e.filename is None:
+            raise
+        print(f"error: {e.filename}: {e.strerror} (a full disk or quota): free space on that "
+              "file system, then relaunch (the run resumes from its last complete checkpoint)",
+              file=sys.stderr)  # fmt: skip
         return 2
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)

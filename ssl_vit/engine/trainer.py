@@ -61,7 +61,7 @@ from ssl_vit.engine.preflight import DataPlan, check_data
 from ssl_vit.engine.run_tracker import open_run_tracker, register_run
 from ssl_vit.engine.stop import Stopped, StopSignals
 from ssl_vit.figures import optional_figure
-from ssl_vit.io import atomic_write_text
+from ssl_vit.io import append_text, atomic_write_text
 from ssl_vit.perf import count_train_flops, mfu_peaks
 from ssl_vit.tracking import Tracker
 
@@ -410,8 +410,7 @@ def _log_metrics(run: Run, step: StepResult, window: MetricWindow) -> dict:
     row = window.flush(extra, run.flops_per_step, run.peak, run.world, run.peak_measured)
     if run.rank == 0:
         run.tracker.log_metrics(row, step=count.step, in_file=True)
-        with open(run.metrics_file, "a") as f:
-            f.write(json.dumps({"step": count.step, **row}) + "\n")
+        append_text(run.metrics_file, json.dumps({"step": count.step, **row}) + "\n")
     return row
 
 
