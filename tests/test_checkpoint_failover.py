@@ -373,6 +373,17 @@ def test_a_full_disk_leaves_no_half_metric_line_and_names_the_file(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def test_a_resume_drops_damaged_metric_lines_and_the_steps_after_its_checkpoint(tmp_path, caplog):
+    from ssl_vit.engine.trainer import truncate_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_bytes(b'{"step": 2}\n{"st\xff\n[4]\n{"step": 4}\n\n{"step": 6}\n{"step": 8, "tra')
+    with caplog.at_level(logging.WARNING):
+        truncate_metrics(metrics, 4)
+    assert metrics.read_text() == '{"step": 2}\n{"step": 4}\n'
+    assert f"{metrics}: 3 damaged line(s) dropped on resume" in caplog.text
+
+
 # -- the bounded wait for a universal conversion ----------------------------------------------
 
 

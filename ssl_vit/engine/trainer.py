@@ -551,10 +551,22 @@ class MetricWindow:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Keep only metric lines up to `step`: a resumed run re-logs the steps after its checkpoint."""
-    if path.is_file():
-        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        atomic_write_text(path, "".join(ln + "\n" for ln in keep))
+    """Keep only metric lines up to `step`: a resumed run re-logs the steps after its checkpoint.
+    A line that does not parse (half a line a power loss left) is dropped with a warning."""
+    if not path.is_file():
+        return
+    keep, damaged = [], 0
+    for ln in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            at = json.loads(ln)["step"]
+        except (ValueError, TypeError, KeyError):
+            damaged += bool(ln.strip())
+            continue
+        if isinstance(at, int) and at <= step:
+            keep.append(ln)
+    if damaged:
+        log.warning("%s: %d damaged line(s) dropped on resume", path, damaged)
+    atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
 
 class TrainProgress:
