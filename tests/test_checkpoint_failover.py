@@ -13,6 +13,7 @@ universal conversion.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -311,6 +313,21 @@ print(json.dumps(out))
 """
 
 
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str) -> Iterator[None]:
+    """A tmpfs of `size` mounted on a new `folder` for the block (the test is skipped where
+    mounting is not allowed)."""
+    folder.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                           capture_output=True, text=True)  # fmt: skip
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
 @pytest.mark.slow
 def test_full_disk_on_a_real_engine(tmp_path):
     """A DeepSpeed engine saves into a tmpfs a little larger than one checkpoint: the second
@@ -318,16 +335,9 @@ def test_full_disk_on_a_real_engine(tmp_path):
     check, its write fills the disk and becomes one line with the partial folder removed;
     with more space the same save goes through."""
     ckpt = tmp_path / "checkpoints"
-    ckpt.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(ckpt)],
-                           capture_output=True, text=True)  # fmt: skip
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
-    try:
+    with small_disk(ckpt, "640k"):
         proc = subprocess.run([sys.executable, "-c", PROBE, str(ckpt)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
-    finally:
-        subprocess.run(["umount", "-l", str(ckpt)], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["first"] == "saved" and 300_000 < out["size"] < 640_000, out
@@ -352,15 +362,10 @@ def test_a_full_disk_leaves_no_half_metric_line_and_names_the_file(tmp_path):
     from ssl_vit.io import append_text, atomic_write_text
 
     disk = tmp_path / "run"
-    disk.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)],
-                           capture_output=True, text=True)  # fmt: skip
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
-    try:
+    with small_disk(disk, "16k"):
         metrics = disk / "metrics.jsonl"
         append_text(metrics, '{"step": 2}\n')
-        with pytest.raises(OSError) as caught:  # a line of 32 kB: two tmpfs pages too many
+        with pytest.raises(OSError) as caught:  # a 32 kB line on a 16 kB disk
             append_text(metrics, json.dumps({"step": 4, "pad": "x" * 32_000}) + "\n")
         assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(metrics)
         assert metrics.read_text() == '{"step": 2}\n'
@@ -369,8 +374,6 @@ def test_a_full_disk_leaves_no_half_metric_line_and_names_the_file(tmp_path):
         assert caught.value.errno == errno.ENOSPC
         assert caught.value.filename == str(disk / "ds_config.json")
         assert sorted(f.name for f in disk.iterdir()) == ["metrics.jsonl"]  # no temporary left
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_resume_drops_damaged_metric_lines_and_the_steps_after_its_checkpoint(tmp_path, caplog):
