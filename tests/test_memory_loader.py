@@ -151,6 +151,27 @@ def test_workers_from_the_training_start_method_give_the_same_batches(
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_a_fork_server_starts_only_for_a_loader_that_uses_workers(tmp_path, monkeypatch):
+    """Starting one imports torch and the readers (seconds of CPU per training process): a
+    split held in RAM and decoded in-process starts none; workers, streamed or decoding a
+    large split into RAM, do."""
+    from ssl_vit.data import workers
+
+    started = []
+    real = workers.multiprocessing.forkserver.ensure_running
+    monkeypatch.setattr(workers.multiprocessing.forkserver, "ensure_running",
+                        lambda: started.append(1) or real())  # fmt: skip
+    root = make_set(tmp_path, [30, 30], size=12)
+    kw = dict(img_size=8, global_batch=8, multiprocessing_context=IN_TRAINING_START)
+    _epoch(_loader(root, **kw))
+    assert started == []  # 60 samples: decoded in this process
+    _epoch(_loader(root, in_memory=False, shuffle_buffer=20, timeout=60, **kw))
+    assert started == [1]
+    monkeypatch.setattr(stream, "IN_PROCESS_SAMPLES", 0)
+    _epoch(_loader(root, **kw))
+    assert started == [1, 1]
+
+
 def test_corrupt_samples_are_dropped_and_counted(tmp_path):
     root = make_set(tmp_path, [20, 20], corrupt_image=(3, 25), bad_cls=(11,))
     loader = _loader(root, augment=False)

@@ -704,7 +704,10 @@ def _common(
     missing: str,
     verify: str,
     shards: list[ShardRef] | None = None,
+    start: bool = True,
 ):
+    """The manifest, its selected shards, the workers' multiprocessing context (with its fork
+    server started when `start` and num_workers > 0) and the loader's read counters."""
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     # the trainer hands over the manifest and shards its preflight loaded and selected: one
@@ -712,7 +715,7 @@ def _common(
     manifest = root if isinstance(root, Manifest) else load_manifest(root)
     if shards is None:
         shards = select_shards(manifest, split, missing, verify)  # type: ignore[arg-type]
-    mp_ctx = worker_context(ctx, num_workers)
+    mp_ctx = worker_context(ctx, num_workers if start else 0)
     return manifest, shards, mp_ctx, ReadCounter(mp_ctx)
 
 
@@ -722,12 +725,11 @@ def load_training_samples(
     shards: list[ShardRef],
     spec: LoaderSpec,
     counter: ReadCounter,
-    ctx: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(images (N, C, H, W) uint8, labels (N,)) of the split's readable samples that training
     uses (not held out, inside `spec.train_fraction` or `spec.subset`: ssl_vit.data.holdout),
-    decoded by the eval reader in `spec.num_workers` workers started from `ctx`, for
-    ssl_vit.data.memory's MemoryTrainLoader to batch (data.in_memory)."""
+    decoded by the eval reader (in `spec.num_workers` workers when the split is larger than
+    IN_PROCESS_SAMPLES), for ssl_vit.data.memory's MemoryTrainLoader to batch (data.in_memory)."""
     resolve_in_memory(True, manifest, split)  # one size of image, or a one-line error
     start = time.perf_counter()
     n = sum(r.num_samples for r in shards)
@@ -746,6 +748,7 @@ def load_training_samples(
         missing=spec.missing,  # a shard that fails its checks: stop, or skip it counted
     )
     workers = spec.num_workers if n > IN_PROCESS_SAMPLES else 0  # ssl_vit.data.workers
+    ctx = worker_context(spec.multiprocessing_context, workers)  # no fork server for none
     images = torch.empty((n, manifest.channels, h, w), dtype=torch.uint8)
     labels = torch.empty(n, dtype=torch.int64)
     index = torch.empty(n, dtype=torch.int64)
@@ -813,10 +816,10 @@ def make_train_loader(
         )
     manifest, shards, ctx, counter = _common(
         root, split, spec.num_workers, spec.multiprocessing_context, spec.missing, spec.verify,
-        shards,
+        shards, start=not spec.in_memory,  # in memory: load_training_samples decides
     )  # fmt: skip
     if spec.in_memory:
-        images, labels = load_training_samples(manifest, split, shards, spec, counter, ctx)
+        images, labels = load_training_samples(manifest, split, shards, spec, counter)
         num_samples = len(images)
     else:
         total = sum(r.num_samples for r in shards)
