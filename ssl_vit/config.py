@@ -99,7 +99,7 @@ class DataConfig:
     stall_timeout: float = 600.0
     # Bytes read are checked against the manifest's block checksums: "read" checks every block
     # read whole (held-out samples passed over by a seek leave theirs unchecked, and counted);
-    # "all" reads those too, so every sample trained on is checked (ssl_vit.data.blocks).
+    # "all" reads those too, so every sample trained on is checked (ssl_vit.data.tar_reader).
     verify: str = "read"
     # Hashed share of `split` kept out of training to choose on (ssl_vit.data.holdout).
     # None: 0.02 when fine-tuning (the paper's held-out 2%, appendix B.1.1), else 0.

@@ -21,11 +21,10 @@ import pytest
 from conftest import ROOT, run_cli
 from servers import Drip, Html, Length, Mutate, NoRange, Redirect, Stall
 
-from ssl_vit.data.blocks import block_digests
 from ssl_vit.data.manifest import ManifestError, load_manifest
 from ssl_vit.data.shards import ReadCounter, ShardReadError, read_shard, select_shards
 from ssl_vit.data.stream import make_eval_loader, make_train_loader
-from ssl_vit.data.tar_reader import iter_members
+from ssl_vit.data.tar_reader import block_digests, iter_members
 from ssl_vit.data.urls import Retry, UnsafeNameError, join
 
 QUICK = Retry(attempts=2, backoff=0.01, timeout=2.0)

@@ -1,6 +1,6 @@
 """A SLURM job's ordinary day on real launches: a preemption's SIGTERM and the time-limit
 warning's SIGUSR1 each stop every rank at one step, with a checkpoint there and the MLflow run
-KILLED, and the same command goes on from it (ssl_vit/engine/stop.py).
+KILLED, and the same command goes on from it (ssl_vit/engine/distributed.py, `StopSignals`).
 
 The launches: two ranks on CPUs (gloo), the tiny ViT of test_train_e2e, a step logged every
 step and no periodic checkpoint, so a checkpoint can only be a stop's. Before them, the ranks'
@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from test_launchers import NODE_SH, SCONTROL, clean_env, executable, job_id_with_free_port
 from test_train_e2e import free_port, metric_steps, overrides
 
-from ssl_vit.engine.stop import STOPPED_EXIT
+from ssl_vit.engine.distributed import STOPPED_EXIT
 
 PIPE = "pipelines/mpp_pretrain.py"
 STEPS = 60  # never reached: each launch is stopped
@@ -34,7 +34,7 @@ STEPS = 60  # never reached: each launch is stopped
 AGREE = """
 import json, os, signal
 import torch.distributed as dist
-from ssl_vit.engine.stop import StopSignals
+from ssl_vit.engine.distributed import StopSignals
 dist.init_process_group("gloo")
 rank, stops = dist.get_rank(), {}
 with StopSignals(["SIGUSR1"]) as stop:

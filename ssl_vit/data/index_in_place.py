@@ -4,7 +4,7 @@
 
 A SOURCE is a folder or URL of `*.tar` shards, a brace pattern or a list file. Each shard is
 read once, front to back, by a pool of workers: size, sha256, sample count, the offset of every
-`index_every`-th sample and the sha256 of each block between them (ssl_vit.data.blocks), its
+`index_every`-th sample and the sha256 of each block between them (ssl_vit.data.tar_reader), its
 labels, every image's size and mode from its header, and one image in `stats_every` decoded for
 the mean and std. The manifest goes beside the shards, or to --out with `shards_root` naming
 them. Finished shards wait in `DIR/.index-work/`, so a rerun after a crash reads only the rest.

@@ -58,7 +58,7 @@ class ShardInfo:
     bytes: int
     sha256: str
     offsets: list[int] | None = None  # byte offsets of samples 0, index_every, ... (see above)
-    block_sha256: list[str] | None = None  # sha256 of the bytes between offsets (data.blocks)
+    block_sha256: list[str] | None = None  # sha256 of the bytes between offsets (data.tar_reader)
 
 
 # The fields a sample's image may be in, in the order looked for: what make_shards writes,

@@ -23,7 +23,6 @@ from PIL import Image
 from tqdm import tqdm
 
 import ssl_vit
-from ssl_vit.data.blocks import block_digests
 from ssl_vit.data.imaging import (
     BadImage,
     Encoded,
@@ -52,7 +51,13 @@ from ssl_vit.data.shard_writer import (
     verify_record,
 )
 from ssl_vit.data.sources import Listing, is_remote, open_source
-from ssl_vit.data.tar_reader import TarFormatError, _drop, read_samples, sample_offsets
+from ssl_vit.data.tar_reader import (
+    TarFormatError,
+    _drop,
+    block_digests,
+    read_samples,
+    sample_offsets,
+)
 from ssl_vit.data.urls import Retry, is_missing, normalise_root, open_url, read_bytes, reason
 from ssl_vit.io import atomic_write_text
 
@@ -383,7 +388,7 @@ def merge(
 
 def _part_offsets(path: Path, num_samples: int, every: int) -> tuple[list[int], list[str]]:
     """The part's sample offsets (every `every`-th), checked against its recorded count, and
-    the sha256 of each block between them (ssl_vit.data.blocks): one more read of the part,
+    the sha256 of each block between them (ssl_vit.data.tar_reader): one more read of the part,
     which the merge has just had the writer put in the page cache."""
     try:
         with open(path, "rb") as f:

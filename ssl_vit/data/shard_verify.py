@@ -15,7 +15,6 @@ from pathlib import Path
 
 from PIL import Image
 
-from ssl_vit.data.blocks import block_digests
 from ssl_vit.data.manifest import (
     ERRORS_NAME,
     Manifest,
@@ -24,7 +23,7 @@ from ssl_vit.data.manifest import (
     load_manifest,
     write_manifest,
 )
-from ssl_vit.data.tar_reader import TarFormatError, iter_samples, sample_offsets
+from ssl_vit.data.tar_reader import TarFormatError, block_digests, iter_samples, sample_offsets
 from ssl_vit.data.urls import has_braces, join, local_path, probe_range, read_bytes
 from ssl_vit.io import sha256_file
 

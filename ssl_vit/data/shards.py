@@ -22,9 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .blocks import BlockReader, ShardIntegrityError
 from .manifest import Manifest, ManifestError, check_shards_exist
-from .tar_reader import TarFormatError, _drop, read_samples
+from .tar_reader import BlockReader, ShardIntegrityError, TarFormatError, _drop, read_samples
 from .urls import (
     Retry,
     UnsafeNameError,
@@ -60,7 +59,7 @@ class ShardRef:
     offsets: tuple[int, ...] = ()  # byte offsets of samples 0, every, 2 * every, ...
     every: int = 0
     size: int = 0  # bytes, as the manifest says
-    digests: tuple[str, ...] = ()  # sha256 of each block between offsets (ssl_vit.data.blocks)
+    digests: tuple[str, ...] = ()  # sha256 of each block between offsets (ssl_vit.data.tar_reader)
     verify_all: bool = False  # read every byte of a block touched, never seek (data.verify=all)
 
     @property
@@ -68,7 +67,7 @@ class ShardRef:
         return local_path(self.url) is None
 
 
-# samples: skipped or lost; unverified: delivered from a block not checked (ssl_vit.data.blocks)
+# samples: skipped or lost; unverified: delivered from a block not checked (ssl_vit.data.tar_reader)
 _FIELDS = ("samples", "shard_errors", "retries", "samples_read", "bytes_read", "unverified")
 
 
@@ -205,7 +204,7 @@ def read_shard(
     order, tagged with `__index__`; the others are passed over unread. Retries (`retry`: None =
     Retry()) and what `missing` does with a shard that cannot be read: docs/streaming.md.
     With block checksums (`ref.digests`) a sample leaves only once its block has been checked
-    (ssl_vit.data.blocks): the reader reads whole blocks, so a piece that starts or stops
+    (ssl_vit.data.tar_reader): the reader reads whole blocks, so a piece that starts or stops
     inside one reads up to a block more. Bytes that disagree with the manifest, and an indexed
     sample found at another offset than the index says, are a `ShardIntegrityError`: retried
     for a remote shard, then an error under missing="error" or a counted skip."""

@@ -243,7 +243,7 @@ class LoaderSpec:
     in_memory: bool = False  # the split decoded once into RAM (ssl_vit.data.memory)
     resampled: bool = False  # shards drawn with replacement (the plan above)
     retry: Retry = field(default_factory=Retry)  # how remote reads are retried
-    verify: Literal["read", "all"] = "read"  # which bytes read are checked (ssl_vit.data.blocks)
+    verify: Literal["read", "all"] = "read"  # bytes checked: data/tar_reader.py, BlockReader
     decode: Literal["cpu", "gpu"] = "cpu"  # gpu: JPEGs decoded on the loader's device
 
 

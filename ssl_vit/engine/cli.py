@@ -191,7 +191,7 @@ def _check(cfg, args, world: int) -> int:
 
 def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     """Parse, validate, train; configuration and data errors exit 2 with one line, no traceback;
-    a stop on a signal (ssl_vit/engine/stop.py) exits STOPPED_EXIT."""
+    a stop on a signal (`ssl_vit.engine.distributed.StopSignals`) exits STOPPED_EXIT."""
     args, overrides = parse(argv, kind, description)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(args.verbose, level=logging.INFO if rank == 0 else logging.WARNING)
@@ -215,8 +215,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     # DeepSpeed loads only now (seconds): a bad config or --check answers without it.
     from ssl_vit.data.shards import ShardReadError
     from ssl_vit.engine.checkpoint import CheckpointError
-    from ssl_vit.engine.distributed import BarrierTimeout
-    from ssl_vit.engine.stop import STOPPED_EXIT, Stopped
+    from ssl_vit.engine.distributed import STOPPED_EXIT, BarrierTimeout, Stopped
     from ssl_vit.engine.trainer import NonFiniteLossError, train
 
     try:

@@ -7,11 +7,11 @@
     for each batch: optimizer_step (objective -> backward -> step) -> log -> evaluate -> checkpoint
     export the backbone (fp32 master weights)
 
-A stop signal ends the loop at a step every rank agrees on, with a checkpoint (engine/stop.py).
-Running the same command again resumes the same run, on any number of ranks: model, optimizer,
-step, data position and MLflow run; the lr is a function of the step and randomness is
-re-seeded from (seed, rank, step), so a resumed run draws what it would have drawn
-(docs/training.md, "The training loop").
+A stop signal ends the loop at a step every rank agrees on, with a checkpoint (`StopSignals`,
+engine/distributed.py). Running the same command again resumes the same run, on any number of
+ranks: model, optimizer, step, data position and MLflow run; the lr is a function of the step
+and randomness is re-seeded from (seed, rank, step), so a resumed run draws what it would have
+drawn (docs/training.md, "The training loop").
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from ssl_vit.engine import checkpoint, launches, zero
 from ssl_vit.engine.build import ModelSpec, build_from_config, export_run
 from ssl_vit.engine.compile import BlockCompile, resolve_compile
 from ssl_vit.engine.distributed import (
+    Stopped,
+    StopSignals,
     all_gather_object,
     all_reduce_sum,
     barrier,
@@ -59,7 +61,6 @@ from ssl_vit.engine.optim import (
 from ssl_vit.engine.precision import run_precision, step_timer
 from ssl_vit.engine.preflight import DataPlan, check_data
 from ssl_vit.engine.run_tracker import open_run_tracker, register_run
-from ssl_vit.engine.stop import Stopped, StopSignals
 from ssl_vit.figures import optional_figure
 from ssl_vit.io import append_text, atomic_write_text
 from ssl_vit.perf import count_train_flops, mfu_peaks
@@ -405,7 +406,7 @@ def _log_metrics(run: Run, step: StepResult, window: MetricWindow) -> dict:
         "data/shard_errors": reads.shard_errors,
         "data/read_retries": reads.retries,
         "data/gbytes_read": reads.bytes_read / 1e9,
-        "data/unverified_samples": reads.unverified,  # ssl_vit.data.blocks
+        "data/unverified_samples": reads.unverified,  # ssl_vit.data.tar_reader
     }
     row = window.flush(extra, run.flops_per_step, run.peak, run.world, run.peak_measured)
     if run.rank == 0:
