@@ -1,7 +1,7 @@
 """Backbones in MLflow, the model registry and run artifacts: `resolve_export` turns
 `runs:/RUN_ID/export`, `models:/NAME/VERSION`, `models:/NAME@ALIAS` or `models:/NAME/latest`
 into a local, verified export folder (a plain path comes back as given); `register_export`
-(ssl_vit.tracking.store) makes a run's export a registered model version.
+(ssl_vit.tracking.tracker) makes a run's export a registered model version.
 
 Downloads are cached under $SSL_VIT_MLFLOW_CACHE (else ~/.cache/ssl-vit/mlflow), keyed by the
 sha256 of the export's backbone.json, fetched first, which lists every file's sha256: `runs:/`
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ssl_vit.io import sha256_file
-from ssl_vit.tracking.store import client_for, register_export, resolve_uri
+from ssl_vit.tracking.tracker import client_for, register_export, resolve_uri
 
 # Registering a run's export is MLflow tracking, so it lives in ssl_vit.tracking (whose command
 # `register` calls it); it is named here too, beside the resolution of what it registers.

@@ -157,7 +157,7 @@ def _open_store_at_once(uri: str, barrier, results) -> None:
     """One of several processes opening one new SQLite store at the same moment."""
     import mlflow  # noqa: F401  (imported before the barrier: the opens line up)
 
-    from ssl_vit.tracking.store import Store
+    from ssl_vit.tracking.tracker import Store
 
     barrier.wait()
     try:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ssl_vit.logs import first_line
-from ssl_vit.tracking.store import Store, read_record, records, register_export, resolve_uri
+from ssl_vit.tracking.tracker import Store, read_record, records, register_export, resolve_uri
 
 
 def main(argv: list[str] | None = None) -> int:
