@@ -20,7 +20,7 @@ import torch
 
 from ssl_vit.config import Config, local_batch
 from ssl_vit.models import build_backbone
-from ssl_vit.models.backbones import token_geometry
+from ssl_vit.models.networks import token_geometry
 
 GIB = 2**30
 

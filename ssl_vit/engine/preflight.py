@@ -240,7 +240,7 @@ def check_backbone(cfg: Config, in_chans: int) -> None:
     import torch
 
     from ssl_vit.models import build_backbone
-    from ssl_vit.models.backbones import constructor_kwargs
+    from ssl_vit.models.networks import constructor_kwargs
 
     cls, taken = constructor_kwargs(m.arch)
     if taken is not None:

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ssl_vit.models.backbones import token_geometry
-from ssl_vit.models.heads import FinetuneHead
+from ssl_vit.models.networks import FinetuneHead, token_geometry
 
 __all__ = ["CascadeViT", "CascadeStage", "FeatureReuse", "resize_matrix"]
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from ssl_vit.io import atomic_write_bytes, atomic_write_text, sha256_file
-from ssl_vit.models.backbones import build_backbone, token_geometry
+from ssl_vit.models.networks import build_backbone, token_geometry
 from ssl_vit.models.pos_embed import adapt_pos_embed_state
 
 __all__ = ["export_backbone", "load_backbone", "record_files", "FORMAT_VERSION"]

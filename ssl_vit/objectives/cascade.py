@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_vit.models.backbones import normalize
 from ssl_vit.models.cascade import CascadeViT
+from ssl_vit.models.networks import normalize
 
 __all__ = ["CascadeObjective"]
 

@@ -24,8 +24,13 @@ import torch.nn.functional as F
 from timm.models import checkpoint_seq
 from torch import nn
 
-from ssl_vit.models.backbones import backbone_kind, is_hybrid, normalize, token_geometry
-from ssl_vit.models.heads import PretrainHead
+from ssl_vit.models.networks import (
+    PretrainHead,
+    backbone_kind,
+    is_hybrid,
+    normalize,
+    token_geometry,
+)
 from ssl_vit.recipe import MPP, TARGETS, CorruptionKind
 
 __all__ = [

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssl_vit.models.backbones import normalize
-from ssl_vit.models.heads import FinetuneHead, PretrainHead
+from ssl_vit.models.networks import FinetuneHead, PretrainHead, normalize
 from ssl_vit.objectives.mpp import MaskedPatchPrediction
 
 __all__ = ["SupervisedObjective", "JointObjective"]
