@@ -1,19 +1,11 @@
 """A held-out part of a training split, for choices made during training (best epoch, lr).
 
 Test data must never choose anything, so fine-tuning sets aside a fixed share of the *training*
-split (appendix B.1.1 of the ViT paper holds out 2% of the training set to pick the learning
-rate). Membership depends only on a sample's manifest index within its split, through a fixed
-hash: the same samples are held out whatever the number of ranks, loader workers or epochs,
-and the train loader never yields them.
-
-A second, independent hash picks the share of the remaining samples a run trains on
-(`data.train_fraction`): a fine-tune on 10% of the labels, the label-scarce regime in which
-pretraining on all the images is meant to pay (the paper pretrains on more images than it
-fine-tunes on). The shares nest: the 10% subset lies inside the 20% one.
-
-Or a run names the samples it trains on (`data.subset_file`): a JSON list of manifest indices,
-sorted, such as a class-balanced draw of a few images per class. Everything else is excluded
-the same way; a listed index that is held out is refused, never silently dropped.
+split (appendix B.1.1 of the ViT paper holds out 2% to pick the learning rate). Membership
+depends only on a sample's manifest index, through a fixed hash: the same samples are held out
+whatever the ranks, loader workers or epochs. A second, independent hash picks the nested share
+of the rest a run trains on (`data.train_fraction`), or a run names its samples
+(`data.subset_file`, a sorted JSON list; a listed index that is held out is refused).
 
     held = held_out_indices(num_samples=60000, fraction=0.02)   # sorted int64 array (~1200)
     skip = excluded_indices(60000, 0.02, train_fraction=0.1)    # ~54,000: held out or unused

@@ -9,11 +9,9 @@ never stalled by an unreachable store, and the store side (`Store.sync`, `regist
     tracker.log_artifact("run/config.yaml")       # uploaded at close
     tracker.close("FINISHED")                     # or a context manager: FAILED / KILLED
 
-Each call goes to a local record in `spool_dir` (a JSONL file: the run, then its events; not the
-metric points `metrics_file` holds) and to the store when it is reachable; otherwise a thread
-retries every `retry_interval` seconds. `Store.sync` logs into a run what a record holds and the
-run lacks; a run key names the run before MLflow gives it an id, so launches and replays that
-never reached the store together make one run: docs/tracking.md#a-server-that-is-down.
+Each call goes to a local record in `spool_dir` and to the store when it is reachable, else a
+thread retries; `Store.sync` logs what a record holds and the run lacks, found by its run key
+(docs/tracking.md#a-server-that-is-down).
 """
 
 from __future__ import annotations
