@@ -15,7 +15,9 @@
 # benchmarks/offline_install.sh puts it there. Elsewhere `pip install -e .` and FMNIST=DIR do.
 #
 # CHAINS: the steps, chains separated by ';', each chain's steps run one after the other by
-# `study.py run --only` (a step with a committed result is skipped). The default is issue 38's
+# `$STUDY run --only` (a step with a committed result is skipped). STUDY: the study's runner
+# (this study's by default; `studies/mpp_label_scarce/study.py chains` prints that study's
+# chains); RESULTS: what comes back, paths or globs under the tree. The default is issue 38's
 # rules on the GPU track: MPP pretraining seeds 0-2 and their fine-tunes, from scratch's lr grid
 # and from scratch seeds 1-2 at the preset's lr. A small model leaves a GPU mostly idle between
 # kernel launches, so the chains share it. Each chain logs to its own MLflow store (one SQLite
@@ -34,6 +36,8 @@ WORK=${WORK:-/tmp/gpu_track_tree}
 FMNIST=${FMNIST:-.fmnist}
 WHEELS=${WHEELS:-.whl}
 PY=${PY:-python3}
+STUDY=${STUDY:-studies/mpp_fashion_mnist/study.py}
+RESULTS=${RESULTS:-"studies/mpp_fashion_mnist/results/*_gpu* studies/mpp_fashion_mnist/results/scratch_sweep/hybrid_gpu"}
 CHAINS=${CHAINS:-"mpp_hybrid_gpu_seed0 ft_mpp_hybrid_gpu_seed0_s0;
 mpp_hybrid_gpu_seed1 ft_mpp_hybrid_gpu_seed1_s1;
 mpp_hybrid_gpu_seed2 ft_mpp_hybrid_gpu_seed2_s2;
@@ -68,7 +72,7 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || ex
     for chain in "${chain_list[@]}"; do
         # shellcheck disable=SC2086  # a chain is a list of step names
         MLFLOW_TRACKING_URI="sqlite:///runs/study/device/mlflow_$i.db" setsid \
-            $PY studies/mpp_fashion_mnist/study.py run --only $chain \
+            $PY "$STUDY" run --only $chain \
             >"runs/study/device/chain_$i.log" 2>&1 </dev/null &
         echo "$!" >>runs/study/device/chains.pid
         echo "chain $i: $(echo $chain)"
@@ -94,8 +98,8 @@ for f in runs/study/*/metrics.jsonl runs/study/scratch_sweep/hybrid_gpu/*/metric
 done
 
 # What has finished: the results (JSON and metric lines) of the GPU steps; logs apart.
-tar -czf "$OUT/results.tgz" studies/mpp_fashion_mnist/results/*_gpu* \
-    studies/mpp_fashion_mnist/results/scratch_sweep/hybrid_gpu 2>/dev/null
-tar -czf "$OUT/logs.tgz" runs/study/logs runs/study/device 2>/dev/null
+# shellcheck disable=SC2086  # RESULTS is a list of globs
+tar -czf "$OUT/results.tgz" $RESULTS 2>/dev/null
+tar -czf "$OUT/logs.tgz" runs/study/logs runs/label_scarce/logs runs/study/device 2>/dev/null
 ls -la "$OUT"
 echo "done at $(elapsed) s"

@@ -210,3 +210,25 @@ def plan(lr: str = "pending", wd: str = "pending") -> list[Step]:
         *(step for n, k in evaluated_subsets() for step in evaluation_steps(n, k, lr, wd)),
         baseline(),
     ]
+
+
+def chains(todo: list[Step], parts: int = 4) -> list[list[str]]:
+    """`todo` as chains of step names that can run side by side (one GPU, several processes):
+    a chain per pretraining with every step that reads its export, so that no two chains
+    train or rebuild the same export; the steps that read none (random init, the baseline)
+    dealt round-robin into `parts` chains. A chain's steps keep the plan's order."""
+    by_need: dict[str, list[str]] = {}
+    free: list[str] = []
+    for step in todo:
+        if step.needs:
+            by_need.setdefault(step.needs[0], []).append(step.name)
+        elif step.name in pretrained_names():
+            by_need.setdefault(step.name, []).insert(0, step.name)
+        else:
+            free.append(step.name)
+    dealt = [free[i::parts] for i in range(parts)]
+    return [c for c in [*by_need.values(), *dealt] if c]
+
+
+def pretrained_names() -> set[str]:
+    return {f"{arm}_seed{s}" for arm in pretrained_arms() for s in PRETRAIN_SEEDS}

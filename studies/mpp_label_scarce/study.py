@@ -4,6 +4,7 @@
     python studies/mpp_label_scarce/study.py run --only subsets pilot/random/lr=0.01,wd=0
     python studies/mpp_label_scarce/study.py status    # done, stale, todo or waiting
     python studies/mpp_label_scarce/study.py report    # REPORT.md from the committed results
+    python studies/mpp_label_scarce/study.py chains    # what is left, as parallel chains (GPU)
 
 Run it in the background from the repository root (`nohup python
 studies/mpp_label_scarce/study.py run > runs/label_scarce/study.log 2>&1 &`). The Fashion-MNIST
@@ -11,6 +12,14 @@ study's runner does the work: a finished step leaves results/<step>.json (commit
 training resumes from its checkpoints; an export that is gone is rebuilt first. The evaluated
 fine-tunes wait until every pilot step has a result: their lr and weight decay are the pilot's
 choice (`steps.chosen_recipe`), read from those results.
+
+A 40-epoch pretraining takes over two hours on 2 CPU cores, and its fine-tunes read its export:
+where a machine does not outlive that, a GPU runs what is left side by side, each pretraining
+with the steps that read it (`chains`; the GPU doses are among them):
+
+    CHAINS="$(python studies/mpp_label_scarce/study.py chains)" \
+    STUDY=studies/mpp_label_scarce/study.py RESULTS=studies/mpp_label_scarce/results \
+        OUT=/tmp/device bash studies/mpp_fashion_mnist/gpu_track.sh
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ def current_plan(root: Path = ROOT) -> tuple[list, tuple[str, str] | None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("run", "status", "report"))
+    p.add_argument("action", choices=("run", "status", "report", "chains"))
     p.add_argument("--only", nargs="+", metavar="STEP", help="run: just these steps (by name)")
     args = p.parse_args(argv)
     plan, chosen = current_plan()
@@ -63,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from studies.mpp_fashion_mnist.run import run, state
 
+    if args.action == "chains":
+        if chosen is None:
+            print("study.py chains: the pilot has not chosen the recipe yet", file=sys.stderr)
+            return 2
+        todo = [s for s in plan if state(s, ROOT) != "done"]
+        print(";\n".join(" ".join(chain) for chain in steps.chains(todo)))
+        return 0
     if args.action == "status":
         for step in plan:
             print(f"{state(step, ROOT):6}{step.name}")

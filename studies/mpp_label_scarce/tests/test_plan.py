@@ -98,3 +98,23 @@ def test_every_flag_still_to_build_is_named_in_the_plan():
     for flag in S.TO_BUILD:
         assert flag in text, flag
     assert {"data.subset_file", "--train-indices", "--cv-folds"} <= used
+
+
+def test_chains_run_every_step_once_and_never_share_an_export():
+    plan = S.plan("0.03", "0")
+    done = {"subsets", "mpp_e40_seed0"}  # a pretraining with a result whose export may be gone
+    todo = [s for s in plan if s.name not in done]
+    chains = S.chains(todo, parts=3)
+    names = [n for chain in chains for n in chain]
+    assert sorted(names) == sorted(s.name for s in todo)  # each step once
+    by_name = {s.name: s for s in plan}
+    order = {s.name: i for i, s in enumerate(plan)}
+    for chain in chains:
+        reads = {need for n in chain for need in by_name[n].needs}
+        trains = {n for n in chain if n in S.pretrained_names()}
+        assert len(reads | trains) <= 1, chain  # at most one export per chain
+        assert [order[n] for n in chain] == sorted(order[n] for n in chain)  # the plan's order
+    # the steps of a pretraining that already has a result form its chain (it rebuilds there)
+    assert any(all(by_name[n].needs == ("mpp_e40_seed0",) for n in c) for c in chains)
+    free = [c for c in chains if not any(by_name[n].needs or n in S.pretrained_names() for n in c)]
+    assert len(free) == 3 and "baseline_scratch_all_labels" in {n for c in free for n in c}
