@@ -14,6 +14,7 @@ from ssl_vit.data.manifest import ManifestError
 from ssl_vit.data.shard_job import JobError, run_job
 from ssl_vit.data.shard_plan import ShardOptions
 from ssl_vit.data.sources import SourceError
+from ssl_vit.logs import OneLineParser
 
 DESCRIPTION = """\
 Turn an image corpus into WebDataset shards that every later stage reads.
@@ -103,13 +104,8 @@ def _cpus() -> int:
     return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not the whole usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="make_shards.py",
         description=DESCRIPTION,
         epilog=EPILOG,

@@ -18,12 +18,18 @@ import os
 import sys
 
 from ssl_vit import startup
-from ssl_vit.evaluation.cli import add_verbose_arg, run_main
+from ssl_vit.evaluation.cli import add_verbose_arg, backbone_source, run_main
+from ssl_vit.logs import OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--backbone", required=True, help="cascade export, run dir or MLflow URI")
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--backbone",
+        required=True,
+        type=backbone_source,
+        help="cascade export, run dir or MLflow URI",
+    )
     p.add_argument("--data", required=True, help="shard set: a folder or URL holding manifest.json")
     p.add_argument("--out", required=True, help="folder for results.json and the plot")
     p.add_argument("--train-split", default="train", help="split whose held-out part chooses")

@@ -12,10 +12,11 @@ import time
 from ssl_vit import startup
 from ssl_vit.evaluation.cli import add_common_args, features_from_args, report, run_main
 from ssl_vit.evaluation.options import DEFAULT_SHOTS
+from ssl_vit.logs import OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(p)
     p.add_argument(
         "--shots",

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 from ssl_vit import startup
 from ssl_vit.data.manifest import check_shards_exist, load_manifest
-from ssl_vit.evaluation.cli import add_verbose_arg, run_main
+from ssl_vit.evaluation.cli import add_verbose_arg, backbone_source, run_main
 from ssl_vit.evaluation.report import pretrain_run_id
+from ssl_vit.logs import OneLineParser
 from ssl_vit.registry import resolve_export
 from ssl_vit.tracking import Tracker
 
@@ -33,10 +34,11 @@ log = logging.getLogger("inspect_vit")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--backbone",
+        type=backbone_source,
         help="export folder, pretraining run directory, or MLflow URI (runs:/ID/export, "
         "models:/NAME/VERSION, models:/NAME@ALIAS)",
     )

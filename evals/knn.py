@@ -22,10 +22,11 @@ from ssl_vit.evaluation.cli import (
     run_main,
 )
 from ssl_vit.evaluation.options import DEFAULT_KS, DEFAULT_T, INDEX_KINDS
+from ssl_vit.logs import OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(p)
     add_train_indices_arg(p, "build the gallery")
     p.add_argument(

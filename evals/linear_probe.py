@@ -26,10 +26,11 @@ from ssl_vit.evaluation.cli import (
     run_main,
 )
 from ssl_vit.evaluation.options import DEFAULT_L2_GRID, DEFAULT_LR_GRID
+from ssl_vit.logs import OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(p)
     add_train_indices_arg(p, "fit the probe (and choose its L2)")
     p.add_argument(

@@ -15,6 +15,7 @@ docs/training.md#start-up.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import logging
@@ -23,6 +24,7 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import NoReturn
 
 __all__ = ["QUIET_LEVELS", "first_line", "quiet_prints", "setup_logging", "wants_verbose"]
 
@@ -124,3 +126,11 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     its type's name when the message is empty (`str(e)` of many OSErrors and timeouts)."""
     lines = str(e).strip().splitlines()
     return lines[0][:limit] if lines else type(e).__name__
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An entry script's argument parser whose usage errors are one line (`--help` for more),
+    not the whole usage block above the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -34,6 +34,7 @@ from ssl_vit.tracking.tracker import client_for, register_export, resolve_uri
 __all__ = ["ArtifactError", "ResolvedExport", "register_export", "resolve_export", "verify_export"]
 
 log = logging.getLogger("ssl_vit.tracking")
+MLFLOW_SCHEMES = ("runs:/", "models:/")  # a --backbone or model.init_from that MLflow resolves
 PICKLES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 _RUNS = re.compile(r"^runs:/([0-9A-Za-z_-]+)(?:/(.*))?$")
 _MODELS = re.compile(r"^models:/([^/@]+)(?:/([^/]+)|@([^/]+))$")
@@ -57,10 +58,10 @@ def cache_root() -> Path:
 
 def resolve_export(source: str | os.PathLike, *, tracking_uri: str | None = None) -> ResolvedExport:
     """A local export folder for `source`: a path as given, or an MLflow URI downloaded once."""
+    if not (isinstance(source, str) and source.startswith(MLFLOW_SCHEMES)):
+        return ResolvedExport(Path(source))  # a local folder: no MLflow to load (seconds)
     import mlflow
 
-    if not (isinstance(source, str) and source.startswith(("runs:/", "models:/"))):
-        return ResolvedExport(Path(source))
     uri, store, label = source, resolve_uri(tracking_uri), None
     client = client_for(store)
     if m := _MODELS.match(uri):

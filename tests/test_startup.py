@@ -43,19 +43,23 @@ def test_collector_paused_for_start_up_then_resumed():
     assert proc.stdout.split() == ["ok", "True"]
 
 
-# Each evaluator's script with an argument it refuses, and the words of the refusal.
-BAD_ARGS = {
-    "knn.py": (["--raw-pixels", "--k", "0"], "--k values must be >= 1"),
-    "fewshot.py": (["--raw-pixels", "--shots", "0"], "--shots and --seeds must be >= 1"),
-    "linear_probe.py": (["--raw-pixels", "--val-fraction", "2"], "--val-fraction must be in"),
-    "dynamic_vit.py": (["--backbone", "b", "--out", "o", "--grid", "1"], "--grid >= 2"),
-    "inspect_vit.py": (["--random-init", "vit_tiny_patch16_224", "--out", "o"], "manifest.json"),
-}
+# Each evaluator's script with an argument it refuses, and the words of the refusal ({T}: a
+# folder that exists).
+BAD_ARGS = [
+    ("knn.py", ["--raw-pixels", "--k", "0"], "--k values must be >= 1"),
+    ("knn.py", ["--backbone", "{T}/nope"], "nope: no such backbone folder"),
+    ("fewshot.py", ["--raw-pixels", "--shots", "0"], "--shots and --seeds must be >= 1"),
+    ("linear_probe.py", ["--raw-pixels", "--val-fraction", "2"], "--val-fraction must be in"),
+    ("dynamic_vit.py", ["--backbone", "{T}", "--out", "o", "--grid", "1"], "--grid >= 2"),
+    ("dynamic_vit.py", ["--backbone", "{T}/nope", "--out", "o"], "no such backbone folder"),
+    ("inspect_vit.py", ["--random-init", "vit_tiny_patch16_224", "--out", "o"], "manifest.json"),
+    ("inspect_vit.py", ["--backbone", "{T}/nope", "--out", "o"], "no such backbone folder"),
+]
 
 
 def test_eval_scripts_answer_bad_arguments_before_torch_loads(tmp_path):
     """An evaluator's usage error (or a missing shard set) is reported before torch, timm,
-    FAISS or MLflow load: at once, not after seconds of imports."""
+    FAISS or MLflow load: at once, not after seconds of imports, and in one line."""
     probe = (
         "import runpy, sys\n"
         "sys.argv = sys.argv[1:]\n"
@@ -66,11 +70,13 @@ def test_eval_scripts_answer_bad_arguments_before_torch_loads(tmp_path):
         "heavy = ('torch', 'timm', 'faiss', 'mlflow', 'numpy')\n"
         "print(code, sorted(m for m in heavy if m in sys.modules))\n"
     )
-    for script, (args, words) in BAD_ARGS.items():
+    for script, args, words in BAD_ARGS:
+        args = [a.replace("{T}", str(tmp_path)) for a in args]
         cmd = [sys.executable, "-c", probe, f"evals/{script}", "--data", str(tmp_path), *args]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         assert proc.stdout.strip() == "2 []", (script, proc.stdout, proc.stderr)
         assert words in proc.stderr, (script, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, (script, proc.stderr)
 
 
 def test_mlflow_telemetry_is_off_unless_the_user_turns_it_on():

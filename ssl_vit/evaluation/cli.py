@@ -20,7 +20,7 @@ from ssl_vit.data.urls import normalise_root
 from ssl_vit.evaluation.options import DEFAULT_CACHE_DIR, POOLS
 from ssl_vit.evaluation.report import format_table, log_to_mlflow, pretrain_run_id, write_results
 from ssl_vit.logs import first_line, setup_logging, wants_verbose
-from ssl_vit.registry import resolve_export
+from ssl_vit.registry import MLFLOW_SCHEMES, resolve_export
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,10 +34,22 @@ def add_verbose_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def backbone_source(value: str) -> str:
+    """`--backbone` as given, checked while the arguments are parsed: an MLflow URI, or a folder
+    that exists (a mistyped path answers before torch loads; what the folder holds is checked
+    when it is read)."""
+    if value.startswith(MLFLOW_SCHEMES) or os.path.isdir(value):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value}: no such backbone folder; pass an export folder or run dir"
+    )
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--backbone",
+        type=backbone_source,
         help="export folder (backbone.safetensors + .json), run dir, or an MLflow URI: "
         "runs:/RUN_ID/export, models:/NAME/VERSION, models:/NAME@ALIAS",
     )
