@@ -51,13 +51,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cpus / procs > 0 ? cpus / procs : 1
 echo "node $SLURM_NODEID/$SLURM_NNODES ($(hostname)): $procs process(es)," \
     "master $master_addr:$master_port, OMP_NUM_THREADS=$OMP_NUM_THREADS" >&2
 
-# Stopping (ssl_vit/engine/stop.py). SLURM's SIGTERM, and the SIGUSR1 pretrain.sbatch forwards,
-# reach torchrun; with this list it passes both on to its training processes, and it gives them
-# STOP_TIMEOUT s to checkpoint before it kills them (its default, 30 s, is short for a large
-# model on shared storage; the other ranks get as long after one crashed). torchrun reads the
-# list since torch 2.9 and the timeout since a later release. An older one would die of
-# SIGUSR1: it ignores it (trap below; so do its processes until the trainer takes it), and the
-# ranks get it from SLURM alone, which signals every process of the step.
+# Stopping (StopSignals in ssl_vit/engine/distributed.py). SLURM's SIGTERM, and the SIGUSR1
+# pretrain.sbatch forwards, reach torchrun; with this list it passes both on to its training
+# processes, and it gives them STOP_TIMEOUT s to checkpoint before it kills them (its default,
+# 30 s, is short for a large model on shared storage; the other ranks get as long after one
+# crashed). torchrun reads the list since torch 2.9 and the timeout since a later release. An
+# older one would die of SIGUSR1: it ignores it (trap below; so do its processes until the
+# trainer takes it), and the ranks get it from SLURM alone, which signals every process of the
+# step.
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${STOP_TIMEOUT:-120}
 trap '' USR1
