@@ -39,7 +39,7 @@ from ssl_vit.logs import first_line
 log = logging.getLogger("ssl_vit.tracking")
 DEFAULT_URI = "sqlite:///mlflow.db"
 PARENT_TAG = "mlflow.parentRunId"
-KEY_TAG = "ssl_vit.run_key"  # the run key (module docstring) of a run made for a record
+KEY_TAG = "ssl_vit.run_key"  # the run key (docs/tracking.md) of a run made for a record
 # A key is put into an MLflow search filter as it is: letters, digits, - and _ only.
 KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REJECTED = "rejected.jsonl"  # batches the store refused, beside the records (not one)
