@@ -253,9 +253,12 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     knn = _load_script("knn")
     data = _write_shards(tmp_path / "shards", {"train": 6, "test": 3})
     argv = ["--backbone", str(tmp_path / "nope"), "--data", str(data), "--no-mlflow"]
-    assert knn.run_main(knn.main, argv) == 2
+    with pytest.raises(SystemExit) as stop:  # refused while parsing, before torch loads
+        knn.run_main(knn.main, argv)
+    assert stop.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0]
+    assert len(lines) == 1 and "error: argument --backbone: " in lines[0], lines
+    assert "nope: no such backbone folder" in lines[0]
     argv = ["--random-init", "vit_tiny_patch16_224", "--data", str(data), "--test-split", "val"]
     argv += ["--no-mlflow", "--workers", "0", "--cache-dir", str(tmp_path / "cache")]
     assert knn.run_main(knn.main, argv) == 2

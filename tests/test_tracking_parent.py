@@ -51,11 +51,11 @@ def test_children_nest_under_an_explicit_parent(mlflow_db, tmp_path):
     assert PARENT_TAG not in client.get_run(orphan.run_id).data.tags
 
 
-def test_eval_parser_takes_a_parent_run_id():
+def test_eval_parser_takes_a_parent_run_id(tmp_path):
     import argparse
 
     p = argparse.ArgumentParser()
     add_common_args(p)
-    args = p.parse_args(["--backbone", "x", "--data", "d", "--parent-run-id", "abc"])
+    args = p.parse_args(["--backbone", str(tmp_path), "--data", "d", "--parent-run-id", "abc"])
     assert args.parent_run_id == "abc"
-    assert p.parse_args(["--backbone", "x", "--data", "d"]).parent_run_id is None
+    assert p.parse_args(["--backbone", str(tmp_path), "--data", "d"]).parent_run_id is None
