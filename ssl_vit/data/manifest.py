@@ -10,9 +10,8 @@ block checksums, and the set's classes, channels, image size and mean/std. docs/
 names must be plain file names (`{split}-{digits}.tar` for make_shards' sets: they are joined
 to the root, which may be a URL or a shell command), offsets must be where a reader can seek;
 anything else is a one-line ManifestError naming the entry and the key. It also takes a
-manifest kept apart from its shards and brace patterns naming some shards of a set.
-
-This module depends only on the standard library so data_prep runs without torch.
+manifest kept apart from its shards and brace patterns naming some shards of a set. Standard
+library only, so that data_prep runs without torch.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ candidate read-outs, each block's output
 - with the patch tokens concatenated in grid order (N*D dims: the spatial layout kept; offered
   while N*D <= `max_dim`, as every candidate of a split is held in memory at once),
 - its [class] token, when the pretraining trained it,
-
 by DINO's weighted kNN (k=20, T=0.07) of the held-out part of the *training* split (the hashed
 2% every training run sets aside, `ssl_vit.data.holdout`) against the rest of it, and keeps the
 best. The test split is never read. All candidates come from one pass over the split.
