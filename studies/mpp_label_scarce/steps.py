@@ -219,10 +219,11 @@ def chains(todo: list[Step], parts: int = 4) -> list[list[str]]:
     dealt round-robin into `parts` chains. A chain's steps keep the plan's order."""
     by_need: dict[str, list[str]] = {}
     free: list[str] = []
+    pretrainings = pretrained_names()
     for step in todo:
         if step.needs:
             by_need.setdefault(step.needs[0], []).append(step.name)
-        elif step.name in pretrained_names():
+        elif step.name in pretrainings:
             by_need.setdefault(step.name, []).insert(0, step.name)
         else:
             free.append(step.name)
