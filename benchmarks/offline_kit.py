@@ -108,22 +108,32 @@ def needs(requires_dist: Iterable[str], extras: Iterable[str] = ()) -> list[str]
 
 
 def closure(
-    roots: Iterable[str], present: set[str], requires: Callable[[str], list[str]]
+    roots: Iterable[str],
+    present: set[str],
+    requires: Callable[[str], list[str]],
+    prefetch: Callable[[list[str]], None] | None = None,
 ) -> list[str]:
-    """Every package reachable from `roots` through `requires`, not crossing `present`. A
-    package asked again with extras not asked before is read again, with all of them."""
+    """Every package reachable from `roots` through `requires`, not crossing `present`, breadth
+    first. A package asked again with extras not asked before is read again, with all of them.
+    `prefetch`, if given, sees each level's names before any of them is read (one download for
+    the level rather than one a package)."""
     kit: list[str] = []
     asked: dict[str, set[str]] = {}
     todo = list(roots)
     while todo:
-        req = Requirement(todo.pop(0))
-        name, extras = canonical(req.name), set(req.extras)
-        if name in present or (name in asked and extras <= asked[name]):
-            continue
-        if name not in asked:
-            kit.append(name)
-        asked[name] = asked.get(name, set()) | extras
-        todo.extend(requires(f"{name}[{','.join(sorted(asked[name]))}]" if asked[name] else name))
+        level, todo = todo, []
+        if prefetch is not None:
+            prefetch([canonical(Requirement(spec).name) for spec in level])
+        for spec in level:
+            req = Requirement(spec)
+            name, extras = canonical(req.name), set(req.extras)
+            if name in present or (name in asked and extras <= asked[name]):
+                continue
+            if name not in asked:
+                kit.append(name)
+            asked[name] = asked.get(name, set()) | extras
+            with_extras = f"{name}[{','.join(sorted(asked[name]))}]" if asked[name] else name
+            todo.extend(requires(with_extras))
     return kit
 
 
@@ -141,34 +151,42 @@ def wheel_of(name: str, folder: Path) -> Path | None:
     return found[0] if found else None
 
 
+def _pin(name: str) -> str:
+    try:
+        return f"{name}=={md.version(name)}"  # this venv's version: the one the suite tested
+    except md.PackageNotFoundError:
+        return name  # not installed here: the latest
+
+
+def _download(pins: list[str], folder: Path) -> bool:
+    """`pip download` of `pins` (no dependencies) as the target's wheels; whether all came."""
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", TARGET["python_version"], "--implementation", "cp",
+           "-d", str(folder), *pins]  # fmt: skip
+    for p in PLATFORMS:
+        cmd += ["--platform", p]
+    return subprocess.run(cmd).returncode == 0
+
+
+def fetch_level(names: list[str], folder: Path, present: set[str]) -> None:
+    """The wheels of a level of the closure that are not in `folder` yet, in one `pip download`
+    (each pip start costs about a second); a level that fails is left to `fetch`, one package
+    at a time, which names the one pip cannot find."""
+    pins = sorted(
+        {_pin(n) for n in names
+         if n not in present and n != PROJECT and n not in REPACKED and wheel_of(n, folder) is None}
+    )  # fmt: skip
+    if pins:
+        _download(pins, folder)
+
+
 def fetch(name: str, folder: Path) -> Path:
     """The target's wheel of `name` at this venv's version (latest if not installed here)."""
     have = wheel_of(name, folder)
     if have is not None:
         return have
-    try:
-        pin = f"{name}=={md.version(name)}"
-    except md.PackageNotFoundError:
-        pin = name
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "-q",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--python-version",
-        TARGET["python_version"],
-        "--implementation",
-        "cp",
-        "-d",
-        str(folder),
-        pin,
-    ]
-    for p in PLATFORMS:
-        cmd += ["--platform", p]
-    if subprocess.run(cmd).returncode != 0:
+    pin = _pin(name)
+    if not _download([pin], folder):
         sys.exit(f"{pin}: pip found no Linux x86_64 wheel for Python {TARGET['python_version']}")
     got = wheel_of(name, folder)
     assert got is not None, f"pip downloaded {pin} under another name"
@@ -299,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     extras = [e.strip() for e in args.extras.split(",") if e.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
 
-    kit = closure([PROJECT], present, lambda n: kit_requires(n, args.out, extras))
+    kit = closure(
+        [PROJECT],
+        present,
+        lambda n: kit_requires(n, args.out, extras),
+        lambda names: fetch_level(names, args.out, present),
+    )
     for w in args.out.glob("*.whl"):  # an older kit's wheel that nothing requires now
         if canonical(w.name.split("-")[0]) not in kit:
             w.unlink()

@@ -51,10 +51,26 @@ def test_closure_is_transitive_and_stops_at_what_the_machine_has():
         seen.append(name)
         return graph.get(name, [])
 
-    got = kit.closure(["mlflow_skinny", "webdataset"], {"numpy"}, requires)
+    levels = []
+    got = kit.closure(["mlflow_skinny", "webdataset"], {"numpy"}, requires, levels.append)
     assert sorted(got) == ["braceexpand", "gitdb", "gitpython", "mlflow-skinny", "smmap",
                            "sqlparse", "webdataset"]  # fmt: skip
     assert len(seen) == len(set(seen)) == len(got)  # each wheel read once, the cycle ends
+    # one download a level, before any package of it is read, not one a package
+    assert levels == [["mlflow-skinny", "webdataset"],
+                      ["sqlparse", "numpy", "gitpython", "braceexpand", "numpy"],
+                      ["gitdb"], ["smmap", "gitpython"]]  # fmt: skip
+
+
+def test_a_level_is_downloaded_in_one_pip_call_and_only_what_is_missing(tmp_path, monkeypatch):
+    (tmp_path / "six-1.17.0-py2.py3-none-any.whl").write_bytes(b"")
+    calls = []
+    monkeypatch.setattr(kit, "_download", lambda pins, folder: calls.append(pins) or True)
+    kit.fetch_level(["six", "numpy", "ssl-vit", "deepspeed", "zzz-not-installed", "packaging"],
+                    tmp_path, present={"numpy"})  # fmt: skip
+    assert calls == [["packaging==" + md.version("packaging"), "zzz-not-installed"]]
+    kit.fetch_level(["six", "numpy"], tmp_path, present={"numpy"})
+    assert len(calls) == 1  # nothing missing: no pip start
 
 
 def test_extras_asked_of_a_requirement_are_followed():
