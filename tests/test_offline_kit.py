@@ -249,3 +249,18 @@ def test_the_kit_installs_offline_and_trains_from_s3_and_http(
         cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert registered.stdout.strip() == "['kit-http', 'kit-s3']"
+    # The kit's environment built DeepSpeed's ops in a folder of its own: sharing this
+    # environment's, each start of one after the other rebuilt them (over a minute).
+    import torch
+
+    from ssl_vit.engine.distributed import extensions_dir
+
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c",
+         "from ssl_vit.engine.distributed import extensions_dir; print(extensions_dir())"],
+        cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    kit_ops = Path(where.stdout.strip().splitlines()[-1])
+    assert kit_ops != extensions_dir()
+    if not torch.cuda.is_available():  # on a CPU every start builds DeepSpeed's comm op
+        assert list(kit_ops.glob("deepspeed_shm_comm/*.so")), kit_ops

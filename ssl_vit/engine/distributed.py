@@ -14,10 +14,12 @@ the signal on: docs/training.md#stopping-on-a-signal.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
 import socket
+import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +38,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def extensions_dir() -> Path:
+    """Where this Python environment builds DeepSpeed's just-in-time ops: TORCH_EXTENSIONS_DIR
+    when the user set it, else a folder of torch's default build root for this environment.
+
+    torch's default is one folder per Python version and CUDA, shared by every environment of
+    the user; the ninja build in it records its include paths, which differ from one
+    environment to the next, so a start in one environment rebuilt the op the other had built
+    (DeepSpeed's CPU communication op: over a minute, each time the two alternate)."""
+    if user_dir := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(user_dir)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    accel = f"cu{torch.version.cuda}" if torch.version.cuda else "cpu"
+    if torch.version.hip:
+        accel = f"rocm{torch.version.hip}"
+    env = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    name = f"py{sys.version_info.major}{sys.version_info.minor}_{accel.replace('.', '')}_{env}"
+    return Path(get_default_build_root()) / name
+
+
 def init_distributed() -> tuple[int, int, int]:
     """Start (or join) the process group; returns (rank, local_rank, world_size).
 
@@ -45,6 +67,10 @@ def init_distributed() -> tuple[int, int, int]:
     RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are all it needs.
     """
     import deepspeed
+
+    # Before DeepSpeed builds its communication op (in init_distributed) or others (at
+    # deepspeed.initialize): one build folder per environment (extensions_dir).
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
