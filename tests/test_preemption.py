@@ -87,7 +87,9 @@ def _deepspeed(args: list[str]) -> list[str]:
 
 
 def _last_step(run_dir: Path) -> int:
-    return metric_steps(run_dir)[-1] if (run_dir / "metrics.jsonl").is_file() else 0
+    """The newest logged step; 0 while metrics.jsonl is missing or still empty."""
+    steps = metric_steps(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    return steps[-1] if steps else 0
 
 
 def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, log: Path) -> int:
