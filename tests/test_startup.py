@@ -193,3 +193,18 @@ def test_first_line_of_an_error_is_one_line_even_when_the_message_is_empty():
     assert first_line(ValueError("  bad key\n  at line 3\n")) == "bad key"
     assert first_line(TimeoutError()) == "TimeoutError"  # str() is ""; no IndexError
     assert first_line(OSError("x" * 400)) == "x" * 300
+
+
+def test_a_loader_worker_imports_neither_torchvision_nor_dynamo():
+    """What each rank's loader fork server imports (ssl_vit.data.stream, workers.py) leaves
+    torchvision's package and torch._dynamo out, and still has torchvision's PNG and JPEG
+    decoders: that import costs over a second of CPU in every fork server."""
+    check = (
+        "import sys\n"
+        "from ssl_vit.data import augment, stream  # noqa: F401\n"
+        "print(sorted(m for m in ('torchvision', 'torch._dynamo', 'timm') if m in sys.modules),"
+        " augment._DECODE_PNG is not None, augment._DECODE_JPEG is not None)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "True", "True"]

@@ -14,9 +14,12 @@ How the per-sample path is kept short: docs/training.md#streaming-input.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import io
 import json
 import math
+import os
 import random
 import struct
 import warnings
@@ -34,16 +37,30 @@ _DEFAULT = SampleLayout()
 _FORMATS = ("PNG", "JPEG", "WEBP")  # what data_prep writes; nothing else is parsed
 
 
+def _load_image_library() -> None:
+    """Load torchvision's image extension (the library that registers torch.ops.image) from
+    torchvision's folder. `import torchvision.io` would do it too, but it runs torchvision's
+    package import, which pulls in its models, ops and torch._dynamo: over a second of CPU in
+    every loader's fork server, which needs the decoders only."""
+    spec = importlib.util.find_spec("torchvision")  # finds the package, does not import it
+    for folder in (spec and spec.submodule_search_locations) or ():
+        for stem in ("image_stable", "image"):  # the name from torchvision 0.29 on, before
+            for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+                if os.path.isfile(path := os.path.join(folder, stem + suffix)):
+                    torch.ops.load_library(path)
+                    return
+    import torchvision.io  # noqa: F401  (a layout not seen here: the package's own loader)
+
+
 def _image_op(name: str):
     """torchvision's decoding op `name` (libpng's decode_png, libjpeg-turbo's decode_jpeg), or
     None where this torchvision build has none (PIL decodes everything then). Called as the op:
     torchvision 0.29's Python wrapper warns on every call (its image codecs are deprecated in
     favour of TorchCodec, not a dependency here)."""
     try:
-        import torchvision.io  # noqa: F401  (loads the image extension, registering the op)
-
+        _load_image_library()
         return getattr(torch.ops.image, name)
-    except (ImportError, AttributeError, RuntimeError):
+    except (ImportError, AttributeError, RuntimeError, OSError):
         return None
 
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import random
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from .augment import crop_resize_batch, jpeg_frame, train_box
+
+if TYPE_CHECKING:
+    from torchvision.io import ImageReadMode
 
 Buffer = bytes | bytearray | memoryview
 
@@ -109,6 +112,10 @@ def _decode(
             raise DeviceDecodeError(first + j, "encoded bytes must be a 1-D uint8 CPU tensor")
         if jpeg_size(memoryview(t.contiguous().numpy())) is None:
             raise DeviceDecodeError(first + j, "not a JPEG with a readable frame header")
+    # here, not at the top: loader workers import this module for jpeg_size and crop_box_for,
+    # and torchvision's package import pulls in torch._dynamo (seconds of CPU per process)
+    from torchvision.io import ImageReadMode
+
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
     try:
         return _decode_jpeg(encoded, mode, device)
@@ -126,6 +133,8 @@ def _decode(
 def _decode_jpeg(
     encoded: list[torch.Tensor], mode: ImageReadMode, device: torch.device
 ) -> list[torch.Tensor]:
+    from torchvision.io import decode_jpeg
+
     with warnings.catch_warnings():
         # torchvision 0.29 deprecates its image codecs (for TorchCodec) and warns on every call.
         warnings.filterwarnings("ignore", category=DeprecationWarning, module="torchvision")
