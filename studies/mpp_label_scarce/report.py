@@ -95,15 +95,23 @@ def _pilot(root: Path) -> tuple[list[str], tuple[str, str] | None]:
 
 def _row(
     arm: str, a: list[list[float]], base: list[list[float]] | None
-) -> tuple[str, Paired | None]:
+) -> tuple[str, Paired | None, str | None]:
+    """The table row, the paired t, and a note where the bootstrap's lower bound and the
+    paired t's disagree on being above 0 (PLAN.md: the decisions use the t; it is said)."""
     flat = [x for row in a for x in row]
     acc = f"{statistics.mean(flat):.2f} ± {statistics.stdev(flat):.2f}"
     if base is None or arm == "random":
-        return f"| {arm} | {acc} | | | | |", None
+        return f"| {arm} | {acc} | | | | |", None, None
     p = paired_t(subset_gains(a, base))
     lo, hi = bootstrap_interval(a, base)
+    note = None
+    if (p.low > 0) != (lo > 0):
+        note = (
+            f"{arm}: the bootstrap's lower bound ({lo:+.2f}) and the paired t's ({p.low:+.2f}) "
+            "disagree on being above 0; the decisions use the paired t."
+        )
     return (f"| {arm} | {acc} | {p.mean:+.2f} | [{p.low:+.2f}, {p.high:+.2f}] | {p.p:.3f} | "
-            f"[{lo:+.2f}, {hi:+.2f}] |"), p  # fmt: skip
+            f"[{lo:+.2f}, {hi:+.2f}] |"), p, note  # fmt: skip
 
 
 def _arms_tables(root: Path) -> tuple[list[str], dict]:
@@ -121,18 +129,19 @@ def _arms_tables(root: Path) -> tuple[list[str], dict]:
             lines += [f"### {WHAT[kind]}, {n} images per class", "",
                       "| arm | accuracy | gain | 95% CI | p | bootstrap 95% |",
                       "|---|---|---|---|---|---|"]  # fmt: skip
-            missing = []
+            missing, notes = [], []
             for arm in S.arms():
                 a = scores(root, kind, arm, n)
                 if a is None:
                     missing.append(arm)
                     continue
-                text, p = _row(arm, a, base)
+                text, p, note = _row(arm, a, base)
                 lines.append(text)
+                notes += [note] if note else []
                 found[(kind, arm, n)] = (a, p)
             if missing:
                 lines.append(f"| not all run: {', '.join(missing)} | | | | | |")
-            lines.append("")
+            lines += ["", *notes, *([""] if notes else [])]
     return lines, found
 
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from studies.mpp_label_scarce import steps as S
-from studies.mpp_label_scarce.report import write_report
+from studies.mpp_label_scarce.report import _row, write_report
 
 GAIN = {"random": 0.0, "mpp_e10": 1.0, "mpp_e40": 2.0, "pixels_e40": 6.0, "supervised_e40": 9.0}
 
@@ -57,3 +57,14 @@ def test_a_full_study_names_the_choice_the_statistics_and_one_verdict(tmp_path):
     assert "**MPP (40 epochs) against random init: win.**" in text
     assert "| pixels_e40 |" in text and "bootstrap 95%" in text
     assert "## The baseline that stands\n\nNot run yet." in text
+
+
+def test_a_bootstrap_that_disagrees_with_the_paired_t_is_said():
+    """Every subset gains (the bootstrap's resampled means stay above 0) but one gains far
+    more than the rest, so the t's interval with 4 df reaches below 0."""
+    base = [[70.0, 70.0] for _ in range(5)]
+    arm = [[70.0 + d, 70.0 + d] for d in (3.0, 0.2, 0.1, 0.3, 0.2)]
+    _, p, note = _row("mpp_e40", arm, base)
+    assert p.low < 0 and note is not None and "disagree on being above 0" in note
+    _, p, note = _row("mpp_e40", [[72.0 + d, 72.0] for d in (0.1, 0.2, 0.3, 0.2, 0.1)], base)
+    assert p.low > 0 and note is None
