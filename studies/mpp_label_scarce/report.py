@@ -21,6 +21,7 @@ from studies.mpp_label_scarce.analysis import (
 KEYS = {"ft": "final_top1", "probe": "probe_top1", "knn": f"knn_top1@k={S.KNN_K}"}
 WHAT = {"ft": "fine-tuned, final step", "probe": "frozen linear probe", "knn": f"kNN (k={S.KNN_K})"}
 PUBLIC_SMALL_VIT = "92-93%"  # small ViTs from scratch on Fashion-MNIST in public code (issue text)
+PUBLIC_LOW = 92.0  # its lower end: below it, the report says why (PLAN.md)
 
 
 def _result(root: Path, name: str) -> dict | None:
@@ -171,21 +172,53 @@ def _verdict(found: dict) -> list[str]:
     return lines + [""]
 
 
+def _last_epoch_train_acc(root: Path, name: str) -> float | None:
+    """Mean train/sup/acc (%) of the logged steps of a run's last epoch, from the metric lines
+    the runner copies beside its result; None without them."""
+    path = root / S.RESULTS / f"{name}.metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "train/sup/acc" in r and "train/epoch" in r]
+    if not rows:
+        return None
+    last = rows[-1]["train/epoch"]
+    return 100 * statistics.mean(r["train/sup/acc"] for r in rows if r["train/epoch"] > last - 1)
+
+
 def _baseline(root: Path) -> list[str]:
     lines = ["## The baseline that stands", ""]
-    res = _result(root, S.baseline().name)
+    name = S.baseline().name
+    res = _result(root, name)
     if res is None:
         return lines + ["Not run yet.", ""]
     out = res["result"]
     cols = out["history_columns"]
-    held = [row[cols.index("selection_top1")] for row in out["history"]]
-    rise = 100 * plateau_rise(held)
+    held = [100 * row[cols.index("selection_top1")] for row in out["history"]]
+    rise = plateau_rise(held)
     top1 = 100 * out["final_top1"]
     plateau = "a plateau" if rise < 0.3 else "still rising: 200 epochs on a GPU"
     lines.append(f"From scratch on all the labels, {S.BASELINE_EPOCHS} epochs at lr "
                  f"{S.BASELINE_LR}: final test top-1 {top1:.2f}% against the {PUBLIC_SMALL_VIT} "
                  f"of small ViTs in public code. Held-out rose {rise:+.2f} points from the third "
                  f"to the last quarter of its epochs ({plateau}).")  # fmt: skip
+    if top1 >= PUBLIC_LOW:
+        return lines + [""]
+    # PLAN.md: below the public figure, say why from what the runs show, never tune on test
+    best = max(held)
+    if rise >= 0.3:
+        curve = "still rising at the end: under-trained"
+    elif held[-1] <= best - 0.5:
+        curve = (f"peaked at epoch {held.index(best) + 1} ({best:.2f}%) and ended at "
+                 f"{held[-1]:.2f}%: over-fitting")  # fmt: skip
+    else:
+        curve = f"flat at its end ({held[-1]:.2f}%, best {best:.2f}%): neither under- nor over-fit"
+    train = _last_epoch_train_acc(root, name)
+    gap = f"; train accuracy over its last epoch {train:.2f}%" if train is not None else ""
+    lines += ["", f"It stays below {PUBLIC_LOW:g}%. What the runs show: a model and token grid far "
+              "smaller than those ViTs' (1.2M parameters, 16 tokens of 7x7 px); flips as its only "
+              "augmentation (no random erasing, mixup or label smoothing); its held-out curve "
+              f"{curve}{gap}. It is not tuned on the test split to close the gap."]  # fmt: skip
     return lines + [""]
 
 

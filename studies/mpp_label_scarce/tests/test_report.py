@@ -68,3 +68,22 @@ def test_a_bootstrap_that_disagrees_with_the_paired_t_is_said():
     assert p.low < 0 and note is not None and "disagree on being above 0" in note
     _, p, note = _row("mpp_e40", [[72.0 + d, 72.0] for d in (0.1, 0.2, 0.3, 0.2, 0.1)], base)
     assert p.low > 0 and note is None
+
+
+def test_a_baseline_below_the_public_figure_says_why_from_its_curve(tmp_path):
+    name = S.baseline().name
+    held = [0.80 + 0.002 * e for e in range(60)] + [0.92 - 0.001 * e for e in range(40)]
+    rows = [[e + 1, h, 0.0] for e, h in enumerate(held)]
+    result = {"final_top1": 0.885, "history_columns": ["step", "selection_top1", "report_top1"]}
+    _write(tmp_path, name, {**result, "history": rows})
+    lines = [{"step": i, "train/sup/acc": 0.97, "train/epoch": i / 10} for i in range(1, 1001)]
+    metrics = tmp_path / S.RESULTS / f"{name}.metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(x) for x in lines))
+    text = write_report(tmp_path).read_text()
+    assert "final test top-1 88.50% against the 92-93%" in text
+    assert "It stays below 92%." in text
+    assert "peaked at epoch 61 (92.00%) and ended at 88.10%: over-fitting" in text
+    assert "train accuracy over its last epoch 97.00%" in text
+
+    _write(tmp_path, name, {**result, "final_top1": 0.93, "history": rows})
+    assert "It stays below" not in write_report(tmp_path).read_text()
