@@ -30,24 +30,29 @@ def test_an_empty_study_says_what_is_missing(tmp_path):
     assert "Not chosen yet: 0 of 24 pilot runs" in text and "Not yet: the rule needs" in text
 
 
-def test_a_full_study_names_the_choice_the_statistics_and_one_verdict(tmp_path):
+def _study(root, gain: dict[str, float], noise: float = 0.3) -> None:
+    """The pilot, and every arm of `gain` on every subset and seed (accuracy 70 + n/10 + gain)."""
     rng = np.random.default_rng(0)
     for step in S.pilot_steps():
         lr = float(step.name.split("lr=")[1].split(",")[0])
-        _write(tmp_path, step.name, {"selection_final_top1": 0.8 - abs(lr - 0.01), **_history(0.8)})
-    for arm in S.arms():
+        _write(root, step.name, {"selection_final_top1": 0.8 - abs(lr - 0.01), **_history(0.8)})
+    for arm in gain:
         for n in S.PER_CLASS:
             for k in S.SUBSET_SEEDS:
                 for s in S.PRETRAIN_SEEDS:
-                    acc = (70 + n / 10 + GAIN.get(arm, 0) + rng.normal(0, 0.3)) / 100
+                    acc = (70 + n / 10 + gain[arm] + rng.normal(0, noise)) / 100
                     tag = f"{arm}/n{n}_k{k}_s{s}"
-                    _write(tmp_path, f"ft/{tag}", {"final_top1": acc})
+                    _write(root, f"ft/{tag}", {"final_top1": acc})
                     _write(
-                        tmp_path,
+                        root,
                         f"probe/{tag}",
                         {"metrics": {"probe_top1": acc + 0.04 * (arm != "random")}},
                     )
-                    _write(tmp_path, f"knn/{tag}", {"metrics": {"knn_top1@k=20": acc}})
+                    _write(root, f"knn/{tag}", {"metrics": {"knn_top1@k=20": acc}})
+
+
+def test_a_full_study_names_the_choice_the_statistics_and_one_verdict(tmp_path):
+    _study(tmp_path, {arm: GAIN.get(arm, 0) for arm in S.arms()})
     text = write_report(tmp_path).read_text()
     assert (
         "**Chosen: optim.lr=0.01, optim.weight_decay=0.** On the grid's edge in weight decay 0"
@@ -87,3 +92,14 @@ def test_a_baseline_below_the_public_figure_says_why_from_its_curve(tmp_path):
 
     _write(tmp_path, name, {**result, "final_top1": 0.93, "history": rows})
     assert "It stays below" not in write_report(tmp_path).read_text()
+
+
+def test_no_verdict_but_a_win_before_the_controls_ran(tmp_path):
+    """MPP at 40 epochs within +-1 point of random init: a convincing null if a control shows a
+    clear gain, so without the controls the report does not call it inconclusive yet."""
+    _study(tmp_path, {"random": 0.0, "mpp_e10": 0.1, "mpp_e40": 0.0}, noise=0.05)
+    text = write_report(tmp_path).read_text()
+    assert "against random init: not decided yet" in text
+    assert "- not run yet: pixels_e40, supervised_e40" in text
+    _study(tmp_path, {"pixels_e40": 6.0, "supervised_e40": 9.0}, noise=0.05)
+    assert "against random init: convincing null.**" in write_report(tmp_path).read_text()
