@@ -52,20 +52,19 @@ def _load_image_library() -> None:
     import torchvision.io  # noqa: F401  (a layout not seen here: the package's own loader)
 
 
-def _image_op(name: str):
-    """torchvision's decoding op `name` (libpng's decode_png, libjpeg-turbo's decode_jpeg), or
-    None where this torchvision build has none (PIL decodes everything then). Called as the op:
+def _image_ops() -> tuple:
+    """torchvision's decoding ops (libpng's decode_png, libjpeg-turbo's decode_jpeg), each None
+    where this torchvision build has none (PIL decodes everything then). Called as the ops:
     torchvision 0.29's Python wrapper warns on every call (its image codecs are deprecated in
     favour of TorchCodec, not a dependency here)."""
     try:
         _load_image_library()
-        return getattr(torch.ops.image, name)
-    except (ImportError, AttributeError, RuntimeError, OSError):
-        return None
+    except (ImportError, RuntimeError, OSError):
+        return None, None
+    return tuple(getattr(torch.ops.image, name, None) for name in ("decode_png", "decode_jpeg"))
 
 
-_DECODE_PNG = _image_op("decode_png")
-_DECODE_JPEG = _image_op("decode_jpeg")
+_DECODE_PNG, _DECODE_JPEG = _image_ops()
 _GRAY, _RGB = 1, 3  # torchvision's ImageReadMode values
 # torch's antialiased bilinear kernel (PIL's algorithm in 16-bit fixed point for uint8 RGB);
 # below TORCH_RESIZE_MIN px its fixed costs lose to PIL.

@@ -80,6 +80,11 @@ def clear_gain(p: Paired) -> bool:
     return p.low > 0.0 and p.mean >= WIN_GAIN
 
 
+def null_ci(p: Paired) -> bool:
+    """A null's interval: the whole 95% CI within +-1 point of 0."""
+    return -NULL_BAND <= p.low and p.high <= NULL_BAND
+
+
 @dataclass(frozen=True)
 class Verdict:
     word: str  # "win", "convincing null" or "inconclusive"
@@ -111,10 +116,10 @@ def verdict(
     ]
     if all(met for _, met in win):
         return Verdict("win", win)
-    null_ci = -NULL_BAND <= mpp60.low and mpp60.high <= NULL_BAND
+    is_null = null_ci(mpp60)
     shown = {name: clear_gain(p) for name, p in controls.items()}
     null = [
-        (f"60/class: CI [{mpp60.low:+.2f}, {mpp60.high:+.2f}] within +-{NULL_BAND:g}", null_ci),
+        (f"60/class: CI [{mpp60.low:+.2f}, {mpp60.high:+.2f}] within +-{NULL_BAND:g}", is_null),
         *(
             (
                 f"{name}: clear gain (CI lower bound {p.low:+.2f} > 0, mean {p.mean:+.2f} "
@@ -124,7 +129,7 @@ def verdict(
             for name, p in controls.items()
         ),
     ]
-    if null_ci and any(shown.values()):
+    if is_null and any(shown.values()):
         return Verdict("convincing null", null)
     return Verdict("inconclusive", win + null)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from studies.mpp_label_scarce import steps as S
 from studies.mpp_label_scarce.analysis import (
-    NULL_BAND,
     Paired,
     bootstrap_interval,
+    null_ci,
     paired_t,
     plateau_rise,
     subset_gains,
@@ -167,8 +167,7 @@ def _verdict(found: dict) -> list[str]:
     v = verdict(gain[60], gain[10].mean, (mean_acc("random"), mean_acc(mpp10), mean_acc(mpp)),
                 probe_gain, ctrl)  # fmt: skip
     word = v.word
-    null_ci = -NULL_BAND <= gain[60].low and gain[60].high <= NULL_BAND
-    if word == "inconclusive" and null_ci and len(ctrl) < len(controls):
+    if word == "inconclusive" and null_ci(gain[60]) and len(ctrl) < len(controls):
         word = "not decided yet (a null CI: a control still to run may show a clear gain)"
     lines += [f"**MPP ({S.MPP_EPOCHS[-1]} epochs) against random init: {word}.**", ""]
     lines += [f"- {text}: {'met' if met else 'not met'}" for text, met in v.parts]
