@@ -215,7 +215,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
     # DeepSpeed loads only now (seconds): a bad config or --check answers without it.
     from ssl_vit.data.shards import ShardReadError
     from ssl_vit.engine.checkpoint import CheckpointError
-    from ssl_vit.engine.distributed import STOPPED_EXIT, BarrierTimeout, Stopped
+    from ssl_vit.engine.distributed import STOPPED_EXIT, BarrierTimeout, Stopped, shutdown
     from ssl_vit.engine.trainer import NonFiniteLossError, train
 
     try:
@@ -223,6 +223,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
             _sweep().run_sweep(args.config, overrides, args.sweep, header, train)
         else:
             train(cfg, header=header)
+        shutdown()  # every rank is past the last barrier
     except (ConfigError, ManifestError, CheckpointError, BarrierTimeout, ShardReadError) as e:
         # ShardReadError: data.missing_shards=error, after the read's retries
         line = e.one_line() if isinstance(e, ShardReadError) else e
@@ -239,6 +240,7 @@ def main(kind: str, description: str, argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except Stopped as e:
+        shutdown()  # every rank is past the stop's barrier
         if rank == 0:
             print(e, file=sys.stderr)
         return STOPPED_EXIT

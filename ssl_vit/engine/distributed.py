@@ -161,6 +161,26 @@ def barrier(what: str = "a barrier") -> None:
         ) from None
 
 
+def shutdown() -> None:
+    """Take the process group down once every rank is past its last collective (torch's
+    documented teardown); a no-op without one.
+
+    Why before exit: gloo's worker threads drop their last reference to a finished
+    collective's tensors after the caller's `wait()` returned, and that decref needs the GIL. A
+    process that went straight from a collective to interpreter shutdown left such a thread
+    unable to take it, and died with "terminate called without an active exception" (SIGABRT)
+    after finishing its work. A destroyed group that nothing else holds joins its threads
+    first; so our own reference goes too."""
+    global _monitor_group
+    if not dist.is_initialized():
+        return
+    group, _monitor_group = _monitor_group, None
+    if group is not None and group is not dist.group.WORLD:
+        dist.destroy_process_group(group)
+    del group
+    dist.destroy_process_group()
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -230,6 +250,7 @@ class StopSignals:
         self._previous.clear()
         if exc_type is None and self._work is not None:
             self._work.wait()  # every rank started it: it completes; after an error it may not
+            self._work = None
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         # Only a note: the step in progress, a checkpoint being written, a collective all go on.
