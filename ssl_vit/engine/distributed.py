@@ -177,7 +177,6 @@ def shutdown() -> None:
     group, _monitor_group = _monitor_group, None
     if group is not None and group is not dist.group.WORLD:
         dist.destroy_process_group(group)
-    del group
     dist.destroy_process_group()
 
 
